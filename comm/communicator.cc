@@ -1,0 +1,165 @@
+#include "comm/communicator.h"
+
+#include <cstring>
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+namespace fsdp::comm {
+namespace {
+
+int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+}  // namespace
+
+const char* to_string(CollectiveKind kind) {
+  switch (kind) {
+    case CollectiveKind::kAllGather: return "all_gather_into_tensor";
+    case CollectiveKind::kReduceScatter: return "reduce_scatter_tensor";
+    case CollectiveKind::kAllReduce: return "all_reduce";
+    case CollectiveKind::kBroadcast: return "broadcast";
+    case CollectiveKind::kAllGatherList: return "all_gather";
+    case CollectiveKind::kAllGatherBytes: return "all_gather_bytes";
+    case CollectiveKind::kBarrier: return "barrier";
+  }
+  return "?";
+}
+
+PendingCollective::PendingCollective(Communicator* comm, c10::intrusive_ptr<c10d::Work> work,
+                                     CollectiveKind kind, uint64_t id, int64_t bytes,
+                                     std::string tag)
+    : comm_(comm), work_(std::move(work)), kind_(kind), id_(id), bytes_(bytes), tag_(std::move(tag)) {}
+
+void PendingCollective::wait() {
+  TORCH_CHECK(work_, "fsdp comm: wait() on an empty PendingCollective");
+  work_->wait();
+  if (!waited_) {
+    waited_ = true;
+    comm_->record_completion(*this);
+  }
+}
+
+bool PendingCollective::completed() const { return work_ && work_->isCompleted(); }
+
+Communicator::Communicator(c10::intrusive_ptr<c10d::Backend> backend, at::Device device)
+    : backend_(std::move(backend)), device_(device) {
+  TORCH_CHECK(backend_, "fsdp comm: Communicator needs a backend, got null");
+  rank_ = backend_->getRank();
+  size_ = backend_->getSize();
+}
+
+PendingCollective Communicator::record_issue(c10::intrusive_ptr<c10d::Work> work,
+                                             CollectiveKind kind, int64_t bytes, std::string tag) {
+  std::lock_guard<std::mutex> guard(mutex_);
+  auto& s = stats_[static_cast<int>(kind)];
+  s.calls += 1;
+  s.bytes += bytes;
+  const uint64_t id = ++next_id_;
+  if (trace_enabled_) trace_.push_back({TraceEvent::Phase::kIssued, kind, id, bytes, tag});
+  return PendingCollective(this, std::move(work), kind, id, bytes, std::move(tag));
+}
+
+void Communicator::record_completion(const PendingCollective& pending) {
+  std::lock_guard<std::mutex> guard(mutex_);
+  if (trace_enabled_) {
+    trace_.push_back({TraceEvent::Phase::kCompleted, pending.kind_, pending.id_, pending.bytes_,
+                      pending.tag_});
+  }
+}
+
+PendingCollective Communicator::all_gather_into_tensor(at::Tensor output, at::Tensor input,
+                                                       std::string tag) {
+  auto work = backend_->_allgather_base(output, input);
+  return record_issue(std::move(work), CollectiveKind::kAllGather, nbytes(output), std::move(tag));
+}
+
+PendingCollective Communicator::reduce_scatter_tensor(at::Tensor output, at::Tensor input,
+                                                      c10d::ReduceOp op, std::string tag) {
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = op;
+  auto work = backend_->_reduce_scatter_base(output, input, opts);
+  return record_issue(std::move(work), CollectiveKind::kReduceScatter, nbytes(input), std::move(tag));
+}
+
+PendingCollective Communicator::all_reduce(at::Tensor tensor, c10d::ReduceOp op, std::string tag) {
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = op;
+  auto work = backend_->allreduce(tensors, opts);
+  return record_issue(std::move(work), CollectiveKind::kAllReduce, nbytes(tensor), std::move(tag));
+}
+
+PendingCollective Communicator::broadcast(at::Tensor tensor, int root, std::string tag) {
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  auto work = backend_->broadcast(tensors, opts);
+  return record_issue(std::move(work), CollectiveKind::kBroadcast, nbytes(tensor), std::move(tag));
+}
+
+PendingCollective Communicator::all_gather(std::vector<at::Tensor> outputs, at::Tensor input,
+                                           std::string tag) {
+  std::vector<std::vector<at::Tensor>> outs{std::move(outputs)};
+  std::vector<at::Tensor> ins{input};
+  auto work = backend_->allgather(outs, ins);
+  return record_issue(std::move(work), CollectiveKind::kAllGatherList, nbytes(input) * size_,
+                      std::move(tag));
+}
+
+std::vector<std::vector<uint8_t>> Communicator::all_gather_bytes(const std::vector<uint8_t>& local,
+                                                                 std::string tag) {
+  // Two even-sized all-gathers (the backends' fast path): the sizes, then the buffers padded to the
+  // largest. Counted once, as the padded payload.
+  const auto long_opts = at::TensorOptions().dtype(at::kLong).device(device_);
+  at::Tensor my_size = at::tensor({static_cast<int64_t>(local.size())}, at::kLong).to(device_);
+  at::Tensor sizes = at::empty({size_}, long_opts);
+  backend_->_allgather_base(sizes, my_size)->wait();
+  const at::Tensor sizes_cpu = sizes.cpu();
+  const int64_t* size_data = sizes_cpu.data_ptr<int64_t>();
+  int64_t max_size = 0;
+  for (int r = 0; r < size_; ++r) max_size = std::max(max_size, size_data[r]);
+
+  at::Tensor padded = at::zeros({max_size}, at::kByte);
+  if (!local.empty()) std::memcpy(padded.data_ptr(), local.data(), local.size());
+  padded = padded.to(device_);
+  at::Tensor gathered = at::empty({max_size * size_}, at::TensorOptions().dtype(at::kByte).device(device_));
+  auto pending = record_issue(backend_->_allgather_base(gathered, padded),
+                              CollectiveKind::kAllGatherBytes, gathered.numel(), std::move(tag));
+  pending.wait();
+  const at::Tensor gathered_cpu = gathered.cpu();
+  const uint8_t* data = gathered_cpu.data_ptr<uint8_t>();
+  std::vector<std::vector<uint8_t>> result(size_);
+  for (int r = 0; r < size_; ++r) {
+    result[r].assign(data + r * max_size, data + r * max_size + size_data[r]);
+  }
+  return result;
+}
+
+void Communicator::barrier() {
+  record_issue(backend_->barrier(), CollectiveKind::kBarrier, 0, {}).wait();
+}
+
+CollectiveStats Communicator::stats(CollectiveKind kind) const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  return stats_[static_cast<int>(kind)];
+}
+
+void Communicator::reset_stats() {
+  std::lock_guard<std::mutex> guard(mutex_);
+  stats_ = {};
+}
+
+void Communicator::set_trace_enabled(bool enabled) {
+  std::lock_guard<std::mutex> guard(mutex_);
+  trace_enabled_ = enabled;
+  if (enabled) trace_.clear();
+}
+
+std::vector<TraceEvent> Communicator::trace() const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  return trace_;
+}
+
+}  // namespace fsdp::comm

@@ -1,0 +1,129 @@
+#pragma once
+// The one thin wrapper over a c10d::Backend through which every layer of the project communicates.
+// It counts calls and bytes per collective kind and can keep a trace of issue/complete order, which
+// tests and benchmarks read (e.g. "one all-gather per unit per forward", "never more than two
+// all-gathers in flight").
+//
+// Bytes counted per call are the collective's full payload on one rank: the output of an all-gather,
+// the input of a reduce-scatter, the tensor of an all-reduce or broadcast. The bytes a rank actually
+// sends for an all-gather or reduce-scatter are that times (W-1)/W.
+
+#include <array>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+namespace fsdp::comm {
+
+enum class CollectiveKind : int {
+  kAllGather = 0,      // all_gather_into_tensor: one input per rank into one output tensor
+  kReduceScatter,      // reduce_scatter_tensor: one input tensor, one output slice per rank
+  kAllReduce,
+  kBroadcast,
+  kAllGatherList,      // all-gather of one tensor into a list of tensors
+  kAllGatherBytes,     // all-gather of variable-size byte buffers (metadata, consistency checks)
+  kBarrier,
+};
+constexpr int kNumCollectiveKinds = 7;
+
+const char* to_string(CollectiveKind kind);
+
+struct CollectiveStats {
+  int64_t calls = 0;
+  int64_t bytes = 0;
+};
+
+/// One entry of the optional trace: a collective issued, or observed complete through wait().
+struct TraceEvent {
+  enum class Phase { kIssued, kCompleted };
+  Phase phase;
+  CollectiveKind kind;
+  uint64_t id;     // issue number within this communicator, from 1
+  int64_t bytes;
+  std::string tag; // caller-provided label (e.g. the unit's FQN)
+};
+
+class Communicator;
+
+/// A collective in flight. `wait()` blocks until it completed (rethrowing its error) and records the
+/// completion in the trace. Waiting twice is allowed.
+class PendingCollective {
+ public:
+  PendingCollective() = default;
+  void wait();
+  bool completed() const;
+  bool valid() const { return static_cast<bool>(work_); }
+
+ private:
+  friend class Communicator;
+  PendingCollective(Communicator* comm, c10::intrusive_ptr<c10d::Work> work, CollectiveKind kind,
+                    uint64_t id, int64_t bytes, std::string tag);
+  Communicator* comm_ = nullptr;
+  c10::intrusive_ptr<c10d::Work> work_;
+  CollectiveKind kind_ = CollectiveKind::kBarrier;
+  uint64_t id_ = 0;
+  int64_t bytes_ = 0;
+  std::string tag_;
+  bool waited_ = false;
+};
+
+/// Wraps a c10d::Backend (MPI, NCCL or a test backend) for the engine.
+///
+///   fsdp::comm::Communicator comm(fsdp::comm::MpiBackend::create_world(), at::kCPU);
+///   at::Tensor out = at::empty({comm.size() * 4});
+///   comm.all_gather_into_tensor(out, at::ones({4})).wait();
+///   comm.stats(fsdp::comm::CollectiveKind::kAllGather).calls;   // 1
+class Communicator {
+ public:
+  /// `device`: where this backend's tensors live (metadata exchanges allocate there).
+  Communicator(c10::intrusive_ptr<c10d::Backend> backend, at::Device device);
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  at::Device device() const { return device_; }
+  const c10::intrusive_ptr<c10d::Backend>& backend() const { return backend_; }
+
+  PendingCollective all_gather_into_tensor(at::Tensor output, at::Tensor input,
+                                           std::string tag = {});
+  PendingCollective reduce_scatter_tensor(at::Tensor output, at::Tensor input,
+                                          c10d::ReduceOp op = c10d::ReduceOp::SUM,
+                                          std::string tag = {});
+  PendingCollective all_reduce(at::Tensor tensor, c10d::ReduceOp op = c10d::ReduceOp::SUM,
+                               std::string tag = {});
+  PendingCollective broadcast(at::Tensor tensor, int root, std::string tag = {});
+  /// Gathers `input` from every rank into `outputs` (one tensor per rank, the input's shape).
+  PendingCollective all_gather(std::vector<at::Tensor> outputs, at::Tensor input,
+                               std::string tag = {});
+  /// Gathers a byte buffer of any size from every rank (blocking): result[r] is rank r's buffer.
+  std::vector<std::vector<uint8_t>> all_gather_bytes(const std::vector<uint8_t>& local,
+                                                     std::string tag = {});
+  void barrier();
+
+  CollectiveStats stats(CollectiveKind kind) const;
+  void reset_stats();
+
+  /// Starts (clearing) or stops recording the trace.
+  void set_trace_enabled(bool enabled);
+  std::vector<TraceEvent> trace() const;
+
+ private:
+  friend class PendingCollective;
+  PendingCollective record_issue(c10::intrusive_ptr<c10d::Work> work, CollectiveKind kind,
+                                 int64_t bytes, std::string tag);
+  void record_completion(const PendingCollective& pending);
+
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  at::Device device_;
+  int rank_;
+  int size_;
+  mutable std::mutex mutex_;
+  std::array<CollectiveStats, kNumCollectiveKinds> stats_{};
+  uint64_t next_id_ = 0;
+  bool trace_enabled_ = false;
+  std::vector<TraceEvent> trace_;
+};
+
+}  // namespace fsdp::comm

@@ -1,0 +1,91 @@
+#include "comm/init.h"
+
+#include <cstdlib>
+#include <mutex>
+
+#include <ATen/Context.h>
+#include <c10/util/Exception.h>
+
+#include "comm/backend_registry.h"
+#include "comm/mpi_backend.h"
+#include "comm/mpi_runtime.h"
+
+namespace fsdp::comm {
+namespace {
+
+std::mutex g_default_lock;
+std::optional<ProcessGroup> g_default;
+
+at::Device default_device(const LaunchInfo& launch) {
+  if (find_backend_factory(c10::DeviceType::CUDA) != nullptr && at::hasCUDA() &&
+      at::detail::getCUDAHooks().deviceCount() > 0) {
+    return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(launch.local_rank));
+  }
+  return at::Device(at::kCPU);
+}
+
+c10::intrusive_ptr<c10d::Backend> make_mpi_backend(const LaunchInfo& launch,
+                                                   std::chrono::milliseconds timeout) {
+  MpiBackend::Options options;
+  options.timeout = timeout;
+  auto backend = MpiBackend::create_world(options);
+  TORCH_CHECK(backend->getSize() == launch.world_size,
+              "fsdp comm: CPU tensors communicate through MPI, but MPI sees ", backend->getSize(),
+              " process(es) while the launcher (", to_string(launch.launcher), ") announced ",
+              launch.world_size,
+              ". Launch CPU jobs with `mpirun -np N`, or train on CUDA tensors (NCCL) under torchrun.");
+  return backend;
+}
+
+}  // namespace
+
+std::chrono::milliseconds resolve_timeout(const InitOptions& options) {
+  if (options.timeout) return *options.timeout;
+  if (const char* env = std::getenv("FSDP_COMM_TIMEOUT_S")) {
+    try {
+      const double seconds = std::stod(env);
+      TORCH_CHECK(seconds > 0, "");
+      return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+    } catch (...) {
+      TORCH_CHECK(false, "fsdp comm: FSDP_COMM_TIMEOUT_S must be a positive number of seconds, got '",
+                  env, "'");
+    }
+  }
+  return std::chrono::minutes(10);
+}
+
+ProcessGroup init_process_group(InitOptions options) {
+  ProcessGroup group;
+  group.launch = read_launch_env();
+  group.device = options.device.value_or(default_device(group.launch));
+  const auto timeout = resolve_timeout(options);
+
+  c10::intrusive_ptr<c10d::Backend> backend;
+  if (group.device.is_cpu()) {
+    backend = make_mpi_backend(group.launch, timeout);
+  } else {
+    BackendFactory factory = find_backend_factory(group.device.type());
+    TORCH_CHECK(factory != nullptr, "fsdp comm: no backend for device ", group.device,
+                " is linked into this program. For CUDA, depend on //comm:nccl.");
+    backend = factory(group.launch, group.device, timeout);
+  }
+  group.comm = std::make_shared<Communicator>(std::move(backend), group.device);
+
+  std::lock_guard<std::mutex> guard(g_default_lock);
+  g_default = group;
+  return group;
+}
+
+const ProcessGroup& default_process_group() {
+  std::lock_guard<std::mutex> guard(g_default_lock);
+  TORCH_CHECK(g_default.has_value(),
+              "fsdp comm: no process group yet; call fsdp::comm::init_process_group() first");
+  return *g_default;
+}
+
+bool is_initialized() {
+  std::lock_guard<std::mutex> guard(g_default_lock);
+  return g_default.has_value();
+}
+
+}  // namespace fsdp::comm

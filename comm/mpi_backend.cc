@@ -1,0 +1,297 @@
+#include "comm/mpi_backend.h"
+
+#include <ATen/core/ivalue.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+
+#include "comm/mpi_progress.h"
+#include "comm/mpi_runtime.h"
+#include "comm/mpi_types.h"
+
+namespace fsdp::comm {
+namespace {
+
+using mpi::Reduction;
+
+// A Work whose completion the progress thread reports; its future carries the output tensors.
+class MpiWork final : public c10d::Work {
+ public:
+  MpiWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
+      : c10d::Work(rank, type),
+        outputs_(std::move(outputs)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors())) {}
+
+  void complete(std::exception_ptr error) {
+    // The future first: once wait() returns, the future is complete too.
+    if (error) {
+      future_->setError(error);
+    } else {
+      future_->markCompleted(c10::IValue(outputs_));
+    }
+    finish(error);
+  }
+
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+std::string describe(const at::Tensor& t) {
+  return fmt::format("{} elements of {}", t.numel(), c10::toString(t.scalar_type()));
+}
+
+void check_cpu_contiguous(const at::Tensor& t, const char* collective, const char* role) {
+  TORCH_CHECK(t.defined(), "MPI backend ", collective, ": the ", role, " tensor is undefined");
+  TORCH_CHECK(t.device().is_cpu(), "MPI backend ", collective, ": the ", role,
+              " tensor must be on the CPU (CUDA tensors use the NCCL backend), got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), "MPI backend ", collective, ": the ", role,
+              " tensor must be contiguous, got sizes ", t.sizes(), " with strides ", t.strides());
+}
+
+void check_single(const std::vector<at::Tensor>& tensors, const char* collective) {
+  TORCH_CHECK(tensors.size() == 1, "MPI backend ", collective,
+              ": expected exactly one tensor, got ", tensors.size());
+  check_cpu_contiguous(tensors[0], collective, "input");
+}
+
+void check_same_dtype(const at::Tensor& output, const at::Tensor& input, const char* collective) {
+  TORCH_CHECK(output.scalar_type() == input.scalar_type(), "MPI backend ", collective,
+              ": output dtype ", output.scalar_type(), " does not match input dtype ",
+              input.scalar_type());
+}
+
+// The reduction to run in MPI and whether to divide by the group size afterwards (AVG).
+std::pair<Reduction, bool> reduction_for(const c10d::ReduceOp& op, const char* collective) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: return {Reduction::kSum, false};
+    case c10d::ReduceOp::AVG: return {Reduction::kSum, true};
+    case c10d::ReduceOp::MAX: return {Reduction::kMax, false};
+    case c10d::ReduceOp::MIN: return {Reduction::kMin, false};
+    case c10d::ReduceOp::PRODUCT: return {Reduction::kProduct, false};
+    default: break;
+  }
+  TORCH_CHECK(false, "MPI backend ", collective,
+              ": reduce op ", static_cast<int>(op.op_),
+              " is not supported (supported: SUM, AVG, MAX, MIN, PRODUCT)");
+}
+
+const char* reduction_name(const c10d::ReduceOp& op) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: return "SUM";
+    case c10d::ReduceOp::AVG: return "AVG";
+    case c10d::ReduceOp::MAX: return "MAX";
+    case c10d::ReduceOp::MIN: return "MIN";
+    case c10d::ReduceOp::PRODUCT: return "PRODUCT";
+    default: return "?";
+  }
+}
+
+// Divides in place by the group size (AVG). Integer tensors divide with truncation.
+void divide_by(at::Tensor& t, int size) {
+  if (at::isIntegralType(t.scalar_type(), /*includeBool=*/false)) {
+    t.div_(size, "trunc");
+  } else {
+    t.div_(size);
+  }
+}
+
+int to_count(int64_t numel, const char* collective) {
+  TORCH_CHECK(numel <= std::numeric_limits<int>::max(), "MPI backend ", collective, ": ", numel,
+              " elements exceed MPI's count limit of ", std::numeric_limits<int>::max());
+  return static_cast<int>(numel);
+}
+
+}  // namespace
+
+c10::intrusive_ptr<MpiBackend> MpiBackend::create_world(Options options) {
+  mpi::ensure_initialized();
+  MPI_Comm comm = MPI_COMM_NULL;
+  int rank = 0, size = 0;
+  {
+    std::lock_guard<std::mutex> guard(mpi::mpi_lock());
+    MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+    MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(comm, &rank);
+    MPI_Comm_size(comm, &size);
+  }
+  return c10::make_intrusive<MpiBackend>(comm, rank, size, std::move(options));
+}
+
+c10::intrusive_ptr<MpiBackend> MpiBackend::split(int color, int key, Options options) const {
+  TORCH_CHECK(color >= 0, "MPI backend split of group '", options_.name,
+              "': color must be non-negative, got ", color);
+  MPI_Comm comm = MPI_COMM_NULL;
+  int rank = 0, size = 0;
+  {
+    std::lock_guard<std::mutex> guard(mpi::mpi_lock());
+    const int rc = MPI_Comm_split(comm_, color, key, &comm);
+    TORCH_CHECK(rc == MPI_SUCCESS, "MPI backend split of group '", options_.name,
+                "' failed: ", mpi::error_string(rc));
+    MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(comm, &rank);
+    MPI_Comm_size(comm, &size);
+  }
+  return c10::make_intrusive<MpiBackend>(comm, rank, size, std::move(options));
+}
+
+MpiBackend::MpiBackend(MPI_Comm comm, int rank, int size, Options options)
+    : c10d::Backend(rank, size), comm_(comm), options_(std::move(options)) {}
+
+MpiBackend::~MpiBackend() {
+  if (comm_ != MPI_COMM_NULL && !mpi::finalized()) {
+    std::lock_guard<std::mutex> guard(mpi::mpi_lock());
+    MPI_Comm_free(&comm_);
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::enqueue(c10d::OpType type, const char* collective,
+                                                   const std::string& sizes,
+                                                   std::function<int(MPI_Request*)> start,
+                                                   std::function<void()> after,
+                                                   std::vector<at::Tensor> outputs,
+                                                   std::vector<at::Tensor> keep_alive) {
+  const uint64_t sequence = ++sequence_;
+  auto work = c10::make_intrusive<MpiWork>(rank_, type, std::move(outputs));
+  mpi::PendingCollective op;
+  op.description = fmt::format("{} #{} ({}) on MPI group '{}' (rank {} of {})", collective, sequence,
+                               sizes, options_.name, rank_, size_);
+  op.timeout = options_.timeout;
+  op.start = std::move(start);
+  // The lambda owns the tensors until the collective finished: they must outlive the transfer.
+  op.after = [after = std::move(after), keep_alive = std::move(keep_alive)] {
+    if (after) after();
+  };
+  op.finish = [work](std::exception_ptr error) { work->complete(error); };
+  mpi::submit(std::move(op));
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                     const c10d::BroadcastOptions& opts) {
+  check_single(tensors, "broadcast");
+  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "MPI backend broadcast: root rank ",
+              opts.rootRank, " is outside the group of ", size_, " ranks");
+  at::Tensor t = tensors[0];
+  MPI_Datatype type = mpi::datatype_for(t.scalar_type(), "broadcast");
+  const int count = to_count(t.numel(), "broadcast");
+  const int root = static_cast<int>(opts.rootRank);
+  MPI_Comm comm = comm_;
+  return enqueue(c10d::OpType::BROADCAST, "broadcast",
+                 describe(t) + ", root " + std::to_string(root),
+                 [=](MPI_Request* r) { return MPI_Ibcast(t.data_ptr(), count, type, root, comm, r); },
+                 {}, {t}, {t});
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceOptions& opts) {
+  check_single(tensors, "allreduce");
+  at::Tensor t = tensors[0];
+  const auto [reduction, average] = reduction_for(opts.reduceOp, "allreduce");
+  MPI_Datatype type = mpi::datatype_for(t.scalar_type(), "allreduce");
+  MPI_Op op = mpi::op_for(reduction, t.scalar_type(), "allreduce");
+  const int count = to_count(t.numel(), "allreduce");
+  MPI_Comm comm = comm_;
+  const int size = size_;
+  return enqueue(
+      c10d::OpType::ALLREDUCE, "allreduce", describe(t) + ", " + reduction_name(opts.reduceOp),
+      [=](MPI_Request* r) { return MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr(), count, type, op, comm, r); },
+      [=]() mutable {
+        if (average) divide_by(t, size);
+      },
+      {t}, {t});
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) {
+  check_single(inputs, "allgather");
+  TORCH_CHECK(outputs.size() == 1, "MPI backend allgather: expected one output list, got ",
+              outputs.size());
+  const at::Tensor input = inputs[0];
+  std::vector<at::Tensor> outs = outputs[0];
+  TORCH_CHECK(static_cast<int>(outs.size()) == size_, "MPI backend allgather: expected ", size_,
+              " output tensors (one per rank), got ", outs.size());
+  for (size_t i = 0; i < outs.size(); ++i) {
+    TORCH_CHECK(outs[i].defined() && outs[i].sizes() == input.sizes(), "MPI backend allgather: output ",
+                i, " must have the input's sizes ", input.sizes(), ", got ",
+                outs[i].defined() ? outs[i].sizes() : at::IntArrayRef{});
+    check_same_dtype(outs[i], input, "allgather");
+    TORCH_CHECK(outs[i].device().is_cpu(), "MPI backend allgather: output ", i,
+                " must be on the CPU, got ", outs[i].device());
+  }
+  at::Tensor flat = at::empty({size_ * input.numel()}, input.options());
+  MPI_Datatype type = mpi::datatype_for(input.scalar_type(), "allgather");
+  const int count = to_count(input.numel(), "allgather");
+  MPI_Comm comm = comm_;
+  const int64_t numel = input.numel();
+  return enqueue(
+      c10d::OpType::ALLGATHER, "allgather", describe(input) + " per rank",
+      [=](MPI_Request* r) {
+        return MPI_Iallgather(input.data_ptr(), count, type, flat.data_ptr(), count, type, comm, r);
+      },
+      [=]() mutable {
+        for (size_t i = 0; i < outs.size(); ++i) {
+          outs[i].copy_(flat.narrow(0, static_cast<int64_t>(i) * numel, numel).view(input.sizes()));
+        }
+      },
+      outs, {input, flat});
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                           const c10d::AllgatherOptions& opts) {
+  check_cpu_contiguous(input, "all_gather_into_tensor", "input");
+  check_cpu_contiguous(output, "all_gather_into_tensor", "output");
+  check_same_dtype(output, input, "all_gather_into_tensor");
+  TORCH_CHECK(output.numel() == input.numel() * size_,
+              "MPI backend all_gather_into_tensor: the output must hold world size (", size_,
+              ") x input elements = ", input.numel() * size_, ", got ", output.numel());
+  MPI_Datatype type = mpi::datatype_for(input.scalar_type(), "all_gather_into_tensor");
+  const int count = to_count(input.numel(), "all_gather_into_tensor");
+  MPI_Comm comm = comm_;
+  at::Tensor in = input, out = output;
+  return enqueue(
+      c10d::OpType::_ALLGATHER_BASE, "all_gather_into_tensor", describe(input) + " per rank",
+      [=](MPI_Request* r) {
+        return MPI_Iallgather(in.data_ptr(), count, type, out.data_ptr(), count, type, comm, r);
+      },
+      {}, {out}, {in, out});
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  check_cpu_contiguous(input, "reduce_scatter_tensor", "input");
+  check_cpu_contiguous(output, "reduce_scatter_tensor", "output");
+  check_same_dtype(output, input, "reduce_scatter_tensor");
+  TORCH_CHECK(input.numel() == output.numel() * size_,
+              "MPI backend reduce_scatter_tensor: the input must hold world size (", size_,
+              ") x output elements = ", output.numel() * size_, ", got ", input.numel());
+  const auto [reduction, average] = reduction_for(opts.reduceOp, "reduce_scatter_tensor");
+  MPI_Datatype type = mpi::datatype_for(input.scalar_type(), "reduce_scatter_tensor");
+  MPI_Op op = mpi::op_for(reduction, input.scalar_type(), "reduce_scatter_tensor");
+  const int count = to_count(output.numel(), "reduce_scatter_tensor");
+  MPI_Comm comm = comm_;
+  const int size = size_;
+  at::Tensor in = input, out = output;
+  return enqueue(
+      c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor",
+      describe(output) + " per rank, " + reduction_name(opts.reduceOp),
+      [=](MPI_Request* r) {
+        return MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(), count, type, op, comm, r);
+      },
+      [=]() mutable {
+        if (average) divide_by(out, size);
+      },
+      {out}, {in, out});
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::barrier(const c10d::BarrierOptions& opts) {
+  MPI_Comm comm = comm_;
+  return enqueue(c10d::OpType::BARRIER, "barrier", "no data",
+                 [=](MPI_Request* r) { return MPI_Ibarrier(comm, r); }, {}, {}, {});
+}
+
+}  // namespace fsdp::comm

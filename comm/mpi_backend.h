@@ -1,0 +1,89 @@
+#pragma once
+// A c10d::Backend over Open MPI for CPU tensors.
+//
+// LibTorch's PyPI build ships no gloo headers, so a C++ program cannot construct ProcessGroupGloo;
+// this backend is the CPU transport of the project (and runs across nodes under mpirun).
+//
+// Contract (as for every c10d backend): all ranks of a backend call the same collectives in the same
+// order. Each call validates its tensors at once (a c10::Error naming the collective, the expected and
+// the actual sizes), then returns an asynchronous Work; errors of the transfer surface from
+// `wait()`. Tensors must stay untouched until `wait()` returns. A collective that does not complete
+// within the timeout aborts the job with a report naming it (see [Note: MPI progress]).
+//
+// Supported: broadcast, allreduce (SUM, AVG = SUM then divide, MAX, MIN, PRODUCT), allgather of a
+// list, allgather into one tensor, reduce-scatter from one tensor, barrier; dtypes float32, float64,
+// float16, bfloat16 (16-bit reductions compute in float), int32, int64, uint8, int8, bool.
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <mpi.h>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+namespace fsdp::comm {
+
+struct MpiBackendOptions {
+  /// How long one collective may take before the job is aborted.
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+  /// Names the group in error reports.
+  std::string name = "world";
+};
+
+class MpiBackend final : public c10d::Backend {
+ public:
+  using Options = MpiBackendOptions;
+
+  /// A backend over every rank of the job (a private duplicate of MPI_COMM_WORLD).
+  ///
+  ///   auto world = fsdp::comm::MpiBackend::create_world();
+  ///   std::vector<at::Tensor> t{at::ones({4})};
+  ///   world->allreduce(t)->wait();   // t == world size everywhere
+  static c10::intrusive_ptr<MpiBackend> create_world(Options options = {});
+
+  /// Collective over this backend's ranks: the ranks passing the same `color` form a new backend,
+  /// ranked by `key` (ties by current rank). Hybrid sharding builds its groups with it.
+  c10::intrusive_ptr<MpiBackend> split(int color, int key, Options options) const;
+
+  /// Wraps `comm`, which the backend owns from now on (freed with it). Prefer create_world/split.
+  MpiBackend(MPI_Comm comm, int rank, int size, Options options);
+  ~MpiBackend() override;
+
+  const std::string getBackendName() const override { return "mpi"; }
+  uint64_t getSequenceNumberForGroup() override { return sequence_.load(); }
+  void setTimeout(std::chrono::milliseconds timeout) override { options_.timeout = timeout; }
+  std::chrono::milliseconds timeout() const { return options_.timeout; }
+  const std::string& name() const { return options_.name; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts = {}) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts = {}) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts = {}) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts = {}) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts = {}) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = {}) override;
+
+ private:
+  // Hands a collective to the progress thread. `start` issues the non-blocking MPI call; `after`
+  // runs once it completed (e.g. the division of AVG); `outputs` become the Work's result.
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* collective,
+                                         const std::string& sizes,
+                                         std::function<int(MPI_Request*)> start,
+                                         std::function<void()> after,
+                                         std::vector<at::Tensor> outputs,
+                                         std::vector<at::Tensor> keep_alive);
+
+  MPI_Comm comm_;
+  Options options_;
+  std::atomic<uint64_t> sequence_{0};
+};
+
+}  // namespace fsdp::comm

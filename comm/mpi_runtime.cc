@@ -1,0 +1,93 @@
+#include "comm/mpi_runtime.h"
+
+#include <mpi.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include <c10/util/Exception.h>
+
+namespace fsdp::comm::mpi {
+namespace {
+
+std::once_flag g_init_once;
+bool g_finalized = false;
+
+void finalize_at_exit();
+
+void initialize() {
+  int already = 0;
+  MPI_Initialized(&already);
+  if (!already) {
+    int provided = 0;
+    const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    TORCH_CHECK(rc == MPI_SUCCESS, "fsdp comm: MPI_Init_thread failed: ", error_string(rc));
+    TORCH_CHECK(provided >= MPI_THREAD_SERIALIZED,
+                "fsdp comm: the MPI library provides thread level ", provided,
+                ", but at least MPI_THREAD_SERIALIZED is needed (collectives run on a progress thread)");
+    std::atexit(finalize_at_exit);
+  }
+}
+
+}  // namespace
+
+// Declared in mpi_progress.cc: stops the progress thread before MPI goes away.
+void stop_progress_engine();
+
+namespace {
+void finalize_at_exit() {
+  stop_progress_engine();
+  std::lock_guard<std::mutex> guard(mpi_lock());
+  int finalized_already = 0;
+  MPI_Finalized(&finalized_already);
+  if (!finalized_already) MPI_Finalize();
+  g_finalized = true;
+}
+}  // namespace
+
+void ensure_initialized() {
+  std::call_once(g_init_once, initialize);
+  TORCH_CHECK(!g_finalized, "fsdp comm: MPI was already finalised (the process is exiting)");
+}
+
+bool finalized() { return g_finalized; }
+
+std::mutex& mpi_lock() {
+  static std::mutex* lock = new std::mutex();  // never destroyed: used from atexit handlers
+  return *lock;
+}
+
+int world_rank() {
+  ensure_initialized();
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return rank;
+}
+
+int world_size() {
+  ensure_initialized();
+  int size = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  return size;
+}
+
+void abort_job(const std::string& message, int exit_code) {
+  int rank = -1;
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (initialized) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  std::fprintf(stderr, "[fsdp comm] rank %d: %s\n", rank, message.c_str());
+  std::fflush(stderr);
+  // No lock: another thread may hold it while blocked in MPI; MPI_Abort must still go through.
+  if (initialized && !g_finalized) MPI_Abort(MPI_COMM_WORLD, exit_code);
+  std::_Exit(exit_code);
+}
+
+std::string error_string(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
+  return std::string(text, length);
+}
+
+}  // namespace fsdp::comm::mpi

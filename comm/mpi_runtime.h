@@ -1,0 +1,34 @@
+#pragma once
+// Process-wide Open MPI life cycle: initialisation with thread support, the lock every MPI call in
+// the project takes, finalisation at exit, and the job-wide abort used when a collective times out.
+//
+// Contract: every MPI call the project makes runs under `mpi_lock()`. Open MPI is initialised with
+// MPI_THREAD_MULTIPLE where available; the lock makes MPI_THREAD_SERIALIZED enough.
+
+#include <mutex>
+#include <string>
+
+namespace fsdp::comm::mpi {
+
+/// Initialises MPI once per process (idempotent, thread-safe). Called by everything that uses MPI;
+/// users never need to. Fails if MPI was finalised already.
+void ensure_initialized();
+
+/// Whether MPI_Finalize has run (MPI handles must not be freed after it).
+bool finalized();
+
+/// The lock held around every MPI call.
+std::mutex& mpi_lock();
+
+/// Rank and size in MPI_COMM_WORLD (initialises MPI).
+int world_rank();
+int world_size();
+
+/// Prints `message` to stderr (prefixed with this rank) and aborts every process of the job through
+/// MPI_Abort. Never returns.
+[[noreturn]] void abort_job(const std::string& message, int exit_code = 3);
+
+/// Error text for an MPI return code.
+std::string error_string(int code);
+
+}  // namespace fsdp::comm::mpi

@@ -1,0 +1,314 @@
+// The Open MPI c10d backend, through the Communicator wrapper, on every world size of the launch:
+// every collective, every dtype, element counts that do and do not divide by the world size, empty
+// tensors, against closed-form values.
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <thread>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "comm/mpi_backend.h"
+#include "tests/testing/multi_rank.h"
+
+namespace {
+
+using fsdp::comm::CollectiveKind;
+using fsdp::testing::rank;
+using fsdp::testing::world;
+using fsdp::testing::world_size;
+
+const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kDouble, at::kHalf,
+                                             at::kBFloat16, at::kInt, at::kLong};
+// 0 (empty), 1, and counts that do (12) and do not (7, 13, 1001) divide by 2, 3 and 4.
+const std::vector<int64_t> kCounts = {0, 1, 7, 12, 13, 1001};
+
+// Rank r's element i: small integers, exact in every dtype above (also sums over 4 ranks).
+at::Tensor rank_values(int r, int64_t count, at::ScalarType dtype) {
+  return (at::arange(count, at::kLong).remainder(7) + (r + 1)).to(dtype);
+}
+
+// Element-wise closed forms over ranks 0..W-1 of rank_values.
+at::Tensor expected_sum(int W, at::Tensor index) {
+  return index.remainder(7) * W + W * (W + 1) / 2;
+}
+
+void check_equal(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
+  INFO(what << ": dtype " << actual.scalar_type() << ", " << actual.numel() << " elements");
+  REQUIRE(actual.numel() == expected.numel());
+  CHECK(actual.to(at::kDouble).reshape({-1}).equal(expected.to(at::kDouble).reshape({-1})));
+}
+
+}  // namespace
+
+FSDP_RANKS_TEST_CASE("allreduce SUM, AVG, MAX, MIN, PRODUCT for every dtype and count", "[comm][mpi]") {
+  const int W = world_size();
+  for (auto dtype : kDtypes) {
+    for (int64_t count : kCounts) {
+      const at::Tensor index = at::arange(count, at::kLong);
+      struct Case {
+        c10d::ReduceOp op;
+        at::Tensor expected;
+      };
+      const at::Tensor sum = expected_sum(W, index);
+      std::vector<Case> cases = {
+          {c10d::ReduceOp::SUM, sum},
+          {c10d::ReduceOp::MAX, index.remainder(7) + W},
+          {c10d::ReduceOp::MIN, index.remainder(7) + 1},
+          {c10d::ReduceOp::AVG, at::isIntegralType(dtype, false)
+                                    ? sum.div(W, "trunc")
+                                    : sum.to(at::kDouble) / W},
+      };
+      for (auto& c : cases) {
+        at::Tensor t = rank_values(rank(), count, dtype);
+        world().all_reduce(t, c.op).wait();
+        check_equal(t, c.expected, "allreduce op " + std::to_string(static_cast<int>(c.op.op_)));
+      }
+      // PRODUCT: rank r holds 2 where i % W == r, else 1: the product is 2 everywhere.
+      at::Tensor t = (index.remainder(W) == rank()).to(at::kLong).add(1).to(dtype);
+      world().all_reduce(t, c10d::ReduceOp::PRODUCT).wait();
+      check_equal(t, at::full({count}, 2, at::kLong), "allreduce PRODUCT");
+    }
+  }
+}
+
+FSDP_RANKS_TEST_CASE("broadcast from the first and the last rank", "[comm][mpi]") {
+  const int W = world_size();
+  for (auto dtype : kDtypes) {
+    for (int64_t count : kCounts) {
+      for (int root : {0, W - 1}) {
+        at::Tensor t = rank_values(rank(), count, dtype);
+        world().broadcast(t, root).wait();
+        check_equal(t, rank_values(root, count, dtype), "broadcast root " + std::to_string(root));
+      }
+    }
+  }
+}
+
+FSDP_RANKS_TEST_CASE("all_gather_into_tensor places rank r's input at r * count", "[comm][mpi]") {
+  const int W = world_size();
+  for (auto dtype : kDtypes) {
+    for (int64_t count : kCounts) {
+      at::Tensor input = rank_values(rank(), count, dtype);
+      at::Tensor output = at::full({W * count}, -1, at::TensorOptions().dtype(dtype));
+      world().all_gather_into_tensor(output, input).wait();
+      std::vector<at::Tensor> parts;
+      for (int r = 0; r < W; ++r) parts.push_back(rank_values(r, count, dtype));
+      check_equal(output, at::cat(parts), "all_gather_into_tensor");
+    }
+  }
+}
+
+FSDP_RANKS_TEST_CASE("all_gather into a list keeps each rank's shape", "[comm][mpi]") {
+  const int W = world_size();
+  for (auto dtype : kDtypes) {
+    for (int64_t count : {int64_t{0}, int64_t{3}, int64_t{10}}) {
+      at::Tensor input = rank_values(rank(), 2 * count, dtype).view({count, 2});
+      std::vector<at::Tensor> outputs;
+      for (int r = 0; r < W; ++r) outputs.push_back(at::zeros({count, 2}, dtype));
+      world().all_gather(outputs, input).wait();
+      for (int r = 0; r < W; ++r) {
+        CHECK(outputs[r].sizes() == input.sizes());
+        check_equal(outputs[r], rank_values(r, 2 * count, dtype), "all_gather list entry");
+      }
+    }
+  }
+}
+
+FSDP_RANKS_TEST_CASE("reduce_scatter_tensor gives rank r the reduced slice r", "[comm][mpi]") {
+  const int W = world_size();
+  for (auto dtype : kDtypes) {
+    for (int64_t count : kCounts) {  // elements per rank
+      for (auto op : {c10d::ReduceOp::SUM, c10d::ReduceOp::AVG, c10d::ReduceOp::MAX}) {
+        at::Tensor input = rank_values(rank(), W * count, dtype);
+        at::Tensor output = at::full({count}, -1, at::TensorOptions().dtype(dtype));
+        world().reduce_scatter_tensor(output, input, op).wait();
+        const at::Tensor index = at::arange(rank() * count, (rank() + 1) * count, at::kLong);
+        const at::Tensor sum = expected_sum(W, index);
+        at::Tensor expected = sum;
+        if (op == c10d::ReduceOp::AVG) {
+          expected = at::isIntegralType(dtype, false) ? sum.div(W, "trunc") : sum.to(at::kDouble) / W;
+        } else if (op == c10d::ReduceOp::MAX) {
+          expected = index.remainder(7) + W;
+        }
+        check_equal(output, expected, "reduce_scatter_tensor");
+      }
+    }
+  }
+}
+
+FSDP_RANKS_TEST_CASE("several asynchronous collectives in flight at once", "[comm][mpi]") {
+  const int W = world_size();
+  std::vector<at::Tensor> reduced;
+  std::vector<fsdp::comm::PendingCollective> pending;
+  for (int k = 0; k < 8; ++k) {
+    reduced.push_back(rank_values(rank(), 100 + 37 * k, at::kFloat));
+    pending.push_back(world().all_reduce(reduced.back()));
+  }
+  at::Tensor gathered = at::empty({W * 50}, at::kFloat);
+  pending.push_back(world().all_gather_into_tensor(gathered, rank_values(rank(), 50, at::kFloat)));
+  at::Tensor scattered = at::empty({20}, at::kDouble);
+  pending.push_back(world().reduce_scatter_tensor(scattered, rank_values(rank(), 20 * W, at::kDouble)));
+  // Wait newest first: completion must not depend on the order of waits.
+  for (auto it = pending.rbegin(); it != pending.rend(); ++it) it->wait();
+  for (int k = 0; k < 8; ++k) {
+    check_equal(reduced[k], expected_sum(W, at::arange(100 + 37 * k, at::kLong)), "in-flight allreduce");
+  }
+  std::vector<at::Tensor> parts;
+  for (int r = 0; r < W; ++r) parts.push_back(rank_values(r, 50, at::kFloat));
+  check_equal(gathered, at::cat(parts), "in-flight all-gather");
+  check_equal(scattered, expected_sum(W, at::arange(rank() * 20, rank() * 20 + 20, at::kLong)),
+              "in-flight reduce-scatter");
+}
+
+FSDP_RANKS_TEST_CASE("a Work reports completion and carries its outputs in its future", "[comm][mpi]") {
+  auto backend = world().backend();
+  std::vector<at::Tensor> tensors{at::ones({5})};
+  auto work = backend->allreduce(tensors);
+  work->wait();
+  CHECK(work->isCompleted());
+  CHECK(work->isSuccess());
+  auto future = work->getFuture();
+  REQUIRE(future->completed());
+  const auto outputs = future->value().toTensorVector();
+  REQUIRE(outputs.size() == 1);
+  CHECK(outputs[0].equal(at::full({5}, world_size(), at::kFloat)));
+}
+
+FSDP_RANKS_TEST_CASE("all_gather_bytes exchanges buffers of different sizes", "[comm][mpi]") {
+  const int W = world_size();
+  std::vector<uint8_t> mine(rank(), static_cast<uint8_t>(rank() + 1));  // rank 0 sends nothing
+  const auto all = world().all_gather_bytes(mine);
+  REQUIRE(static_cast<int>(all.size()) == W);
+  for (int r = 0; r < W; ++r) {
+    CHECK(all[r] == std::vector<uint8_t>(r, static_cast<uint8_t>(r + 1)));
+  }
+}
+
+FSDP_RANKS_TEST_CASE("barrier: nobody passes before rank 0 arrives", "[comm][mpi]") {
+  const std::string marker = fsdp::testing::shared_tmpdir() + "/barrier_marker";
+  if (rank() == 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    std::ofstream(marker) << "rank 0 was here";
+  }
+  world().barrier();
+  CHECK(std::ifstream(marker).good());
+  world().barrier();
+  if (rank() == 0) std::remove(marker.c_str());
+}
+
+FSDP_RANKS_TEST_CASE("sub-communicators from split reduce within their group", "[comm][mpi]") {
+  const int W = world_size();
+  auto world_backend = fsdp::comm::MpiBackend::create_world();
+  fsdp::comm::MpiBackend::Options options;
+  options.name = "parity group";
+  auto group = world_backend->split(rank() % 2, rank(), options);
+  int expected_size = 0;
+  int expected_sum = 0;
+  for (int r = rank() % 2; r < W; r += 2) {
+    expected_size += 1;
+    expected_sum += r + 1;
+  }
+  CHECK(group->getSize() == expected_size);
+  CHECK(group->getRank() == rank() / 2);
+  fsdp::comm::Communicator comm(group, at::kCPU);
+  at::Tensor t = at::full({3}, rank() + 1, at::kInt);
+  comm.all_reduce(t).wait();
+  CHECK(t.equal(at::full({3}, expected_sum, at::kInt)));
+  at::Tensor gathered = at::empty({expected_size}, at::kInt);
+  comm.all_gather_into_tensor(gathered, at::full({1}, rank(), at::kInt)).wait();
+  CHECK(gathered.equal(at::arange(rank() % 2, W, 2, at::kInt)));
+}
+
+FSDP_RANKS_TEST_CASE("the communicator counts calls and bytes per collective kind", "[comm][mpi]") {
+  const int W = world_size();
+  fsdp::comm::Communicator comm(world().backend(), at::kCPU);
+  at::Tensor out = at::empty({W * 6}, at::kFloat);
+  comm.all_gather_into_tensor(out, at::ones({6})).wait();
+  comm.all_gather_into_tensor(out, at::ones({6})).wait();
+  at::Tensor shard = at::empty({3}, at::kBFloat16);
+  comm.reduce_scatter_tensor(shard, at::ones({3 * W}, at::kBFloat16)).wait();
+  comm.all_reduce(at::ones({10}, at::kDouble)).wait();
+  CHECK(comm.stats(CollectiveKind::kAllGather).calls == 2);
+  CHECK(comm.stats(CollectiveKind::kAllGather).bytes == 2 * W * 6 * 4);
+  CHECK(comm.stats(CollectiveKind::kReduceScatter).calls == 1);
+  CHECK(comm.stats(CollectiveKind::kReduceScatter).bytes == 3 * W * 2);
+  CHECK(comm.stats(CollectiveKind::kAllReduce).calls == 1);
+  CHECK(comm.stats(CollectiveKind::kAllReduce).bytes == 80);
+  CHECK(comm.stats(CollectiveKind::kBroadcast).calls == 0);
+  comm.reset_stats();
+  CHECK(comm.stats(CollectiveKind::kAllGather).calls == 0);
+}
+
+FSDP_RANKS_TEST_CASE("the trace records issue and completion order", "[comm][mpi]") {
+  fsdp::comm::Communicator comm(world().backend(), at::kCPU);
+  comm.set_trace_enabled(true);
+  at::Tensor a = at::ones({4});
+  at::Tensor b = at::ones({4});
+  auto first = comm.all_reduce(a, c10d::ReduceOp::SUM, "first");
+  auto second = comm.all_reduce(b, c10d::ReduceOp::SUM, "second");
+  second.wait();
+  first.wait();
+  first.wait();  // a second wait records nothing more
+  const auto trace = comm.trace();
+  using Phase = fsdp::comm::TraceEvent::Phase;
+  REQUIRE(trace.size() == 4);
+  CHECK((trace[0].phase == Phase::kIssued && trace[0].tag == "first" && trace[0].id == 1));
+  CHECK((trace[1].phase == Phase::kIssued && trace[1].tag == "second" && trace[1].id == 2));
+  CHECK((trace[2].phase == Phase::kCompleted && trace[2].tag == "second"));
+  CHECK((trace[3].phase == Phase::kCompleted && trace[3].tag == "first"));
+  CHECK(trace[0].bytes == 16);
+}
+
+FSDP_RANKS_TEST_CASE("wrong input is a clear error naming the collective and the sizes", "[comm][mpi]") {
+  const int W = world_size();
+  using Catch::Matchers::Contains;
+  auto backend = world().backend();
+  {
+    std::vector<at::Tensor> t{at::ones({4, 3}).t()};
+    CHECK_THROWS_WITH(backend->allreduce(t), Contains("allreduce") && Contains("contiguous"));
+  }
+  {
+    at::Tensor out = at::empty({W * 4 + 1});
+    at::Tensor in = at::ones({4});
+    CHECK_THROWS_WITH(backend->_allgather_base(out, in),
+                      Contains("all_gather_into_tensor") && Contains(std::to_string(W * 4)) &&
+                          Contains("got " + std::to_string(W * 4 + 1)));
+  }
+  {
+    at::Tensor out = at::empty({2});
+    at::Tensor in = at::ones({2 * W + 1});
+    CHECK_THROWS_WITH(backend->_reduce_scatter_base(out, in),
+                      Contains("reduce_scatter_tensor") && Contains(std::to_string(2 * W)) &&
+                          Contains("got " + std::to_string(2 * W + 1)));
+  }
+  {
+    at::Tensor out = at::empty({W * 2}, at::kDouble);
+    at::Tensor in = at::ones({2}, at::kFloat);
+    CHECK_THROWS_WITH(backend->_allgather_base(out, in), Contains("dtype") && Contains("Double") &&
+                                                             Contains("Float"));
+  }
+  {
+    std::vector<at::Tensor> t{at::ones({2}, at::kComplexFloat)};
+    CHECK_THROWS_WITH(backend->allreduce(t), Contains("allreduce") && Contains("not supported"));
+  }
+  {
+    std::vector<at::Tensor> t{at::ones({2})};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = W;
+    CHECK_THROWS_WITH(backend->broadcast(t, opts), Contains("broadcast") && Contains("root rank"));
+  }
+  {
+    std::vector<std::vector<at::Tensor>> outs{{at::empty({3})}};
+    std::vector<at::Tensor> in{at::ones({3})};
+    if (W > 1) {
+      CHECK_THROWS_WITH(backend->allgather(outs, in),
+                        Contains("allgather") && Contains("expected " + std::to_string(W)));
+    }
+  }
+  // Nothing was sent: the group still works.
+  at::Tensor t = at::ones({2});
+  world().all_reduce(t).wait();
+  CHECK(t.equal(at::full({2}, W, at::kFloat)));
+}

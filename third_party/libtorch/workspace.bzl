@@ -1,0 +1,54 @@
+"""Declares @libtorch: LibTorch from LIBTORCH_HOME (an official LibTorch zip) or, when that is unset,
+from the torch package that `python3 -c 'import torch'` finds (tools/setup.sh installs the pinned one).
+
+Libraries are linked by -L/-l with an absolute rpath to the real lib folder, so each library's own
+$ORIGIN rpath (the torch wheel's way of finding the nvidia-* runtime wheels) keeps working."""
+
+_CUDA_INCLUDE_CANDIDATES = [
+    "../nvidia/cu13/include",  # torch wheels built for CUDA 13
+    "../nvidia/cuda_runtime/include",  # torch wheels built for CUDA 12
+]
+
+_NCCL_INCLUDE_CANDIDATES = [
+    "../nvidia/nccl/include",
+]
+
+def _first_existing(ctx, base, candidates, fallback):
+    for rel in candidates:
+        p = ctx.path(base + "/" + rel)
+        if p.exists:
+            return str(p)
+    return fallback
+
+def _torch_dir(ctx):
+    home = ctx.os.environ.get("LIBTORCH_HOME", "")
+    if home:
+        return home
+    python = ctx.os.environ.get("PYTHON_BIN_PATH", "") or "python3"
+    res = ctx.execute([python, "-c", "import os, torch; print(os.path.dirname(torch.__file__))"])
+    if res.return_code != 0:
+        fail("@libtorch: no LibTorch found. Run tools/setup.sh (installs the pinned torch package) " +
+             "or set LIBTORCH_HOME to an unpacked LibTorch. python3 said: " + res.stderr)
+    return res.stdout.strip()
+
+def _libtorch_repository_impl(ctx):
+    torch_dir = _torch_dir(ctx)
+    for sub in ["include", "lib"]:
+        if not ctx.path(torch_dir + "/" + sub).exists:
+            fail("@libtorch: %s has no %s/ folder; is it a LibTorch or torch package?" % (torch_dir, sub))
+    ctx.symlink(torch_dir + "/include", "include")
+    ctx.symlink(torch_dir + "/lib", "lib")
+    ctx.symlink(_first_existing(ctx, torch_dir, _CUDA_INCLUDE_CANDIDATES, "/usr/local/cuda/include"), "cuda_include")
+    ctx.symlink(_first_existing(ctx, torch_dir, _NCCL_INCLUDE_CANDIDATES, "/usr/local/cuda/include"), "nccl_include")
+    lib_dir = str(ctx.path(torch_dir + "/lib").realpath)
+    ctx.template("BUILD.bazel", ctx.attr.build_template, {"%{LIB_DIR}": lib_dir})
+
+libtorch_repository = repository_rule(
+    implementation = _libtorch_repository_impl,
+    attrs = {"build_template": attr.label(default = "//third_party/libtorch:libtorch.BUILD.tpl")},
+    environ = ["LIBTORCH_HOME", "PYTHON_BIN_PATH"],
+    local = True,
+)
+
+def repo():
+    libtorch_repository(name = "libtorch")
