@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Runs the main example: installs what is missing, builds, and launches it over MPI ranks on this
+# machine.   tools/example.sh [--np N] [example arguments...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+np=2
+if [ "${1:-}" = "--np" ]; then np="$2"; shift 2; fi
+tools/setup.sh
+bazel build //examples:collectives_demo
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+work=$(mktemp -d /tmp/fsdpx.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+TMPDIR="$work" mpirun --oversubscribe --bind-to none -np "$np" -x OMP_NUM_THREADS \
+  bazel-bin/examples/collectives_demo "$@"
