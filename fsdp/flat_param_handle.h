@@ -1,0 +1,109 @@
+#pragma once
+// FlatParamHandle: owns one FlatParameter's storage and moves the original parameters between
+// their sharded and unsharded forms. One handle per FlatParameter (the seed note's FlatParamHandle);
+// FSDPState coordinates the handles of a unit.
+//
+// [Note: original parameters] The original parameters keep their identity (the same at::Tensor
+// objects the module and the optimizer hold, with their names): only their data is re-pointed with
+// `set_data`, so they stay leaves and keep requires_grad.
+//   - sharded:   each original parameter is a flattened 1-D view of its slice of the local shard
+//                (an empty view where this rank holds none of it); `.grad` is the matching 1-D
+//                view of the sharded gradient. The optimizer updates the shard in place.
+//   - unsharded: each original parameter is a full-shape view of the padded unsharded buffer
+//                (filled by an all-gather of the local shards).
+// The padded unsharded buffer's storage is freed on reshard and re-grown on unshard, in place (see
+// fsdp/storage_resize.h), so views autograd saved for backward stay valid across the two.
+//
+// Gradients: autograd writes full-shape gradients into the unsharded parameters' `.grad`. After a
+// unit's backward, `reduce_gradients()` copies them into a padded flat buffer (zeros where a
+// parameter got none), reduce-scatters it (SUM, then divided by the world size), adds the sharded
+// gradient set aside before backward (accumulation without set_to_none, or several backward
+// passes), and points each `.grad` at its slice of the new sharded gradient.
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "comm/communicator.h"
+#include "fsdp/flat_param_layout.h"
+
+namespace fsdp {
+
+class FlatParamHandle {
+ public:
+  struct OrigParam {
+    std::string fqn;   // relative to the unit's module
+    at::Tensor param;  // the original parameter object
+  };
+
+  /// Takes over the storage of `params` (all of one dtype and device, each rank holding the same
+  /// full values): copies this rank's shard out of them and leaves them sharded. `unit_fqn` names
+  /// the unit in errors and traces.
+  FlatParamHandle(std::vector<OrigParam> params, std::shared_ptr<comm::Communicator> comm,
+                  std::string unit_fqn);
+
+  FlatParamHandle(const FlatParamHandle&) = delete;
+  FlatParamHandle& operator=(const FlatParamHandle&) = delete;
+
+  /// Issues the all-gather of the local shard without waiting (prefetch). No-op when unsharded or
+  /// already in flight.
+  void start_unshard();
+  /// Makes the original parameters full-shape views of the all-gathered buffer (waits for an
+  /// all-gather in flight, or issues one).
+  void unshard();
+  /// Makes the original parameters views of the local shard and frees the unsharded buffer.
+  void reshard();
+  bool is_unsharded() const { return unsharded_; }
+  bool unshard_in_flight() const { return pending_unshard_.valid(); }
+
+  /// Before backward: sets aside the sharded gradients the original parameters still hold (from an
+  /// earlier backward without set_to_none, or replaced by the user: written back), and clears
+  /// `.grad` so autograd can write full-shape gradients. Idempotent within one backward.
+  void prepare_gradients_for_backward();
+  /// After this handle's backward: reduce-scatters the unsharded gradients (see the note above).
+  /// Issues the collective; `finalize_gradients()` waits for it and sets `.grad`.
+  void reduce_gradients();
+  /// Waits for the reduce-scatter issued by reduce_gradients() and points `.grad` at the new
+  /// sharded gradient (plus the set-aside one). No-op when none is in flight.
+  void finalize_gradients();
+  bool gradient_reduction_in_flight() const { return pending_reduce_.valid(); }
+  /// Whether any parameter requires a gradient.
+  bool requires_grad() const { return requires_grad_; }
+
+  const FlatParamLayout& layout() const { return layout_; }
+  const std::vector<OrigParam>& params() const { return params_; }
+  const std::string& unit_fqn() const { return unit_fqn_; }
+  /// This rank's shard of the FlatParameter (1-D, layout().shard_numel() elements).
+  const at::Tensor& local_shard() const { return local_shard_; }
+  /// The sharded gradient (1-D) or undefined.
+  const at::Tensor& sharded_grad() const { return sharded_grad_; }
+  /// Bytes held by the padded unsharded buffer now (0 when resharded).
+  size_t unsharded_bytes() const;
+
+ private:
+  void use_sharded_views();
+  void use_unsharded_views();
+  void write_back_replaced_data();
+  void set_sharded_grad_views();
+
+  std::string unit_fqn_;
+  std::vector<OrigParam> params_;
+  std::shared_ptr<comm::Communicator> comm_;
+  FlatParamLayout layout_;
+  std::vector<ShardSlice> slices_;    // per original parameter, this rank's slice (maybe empty)
+  at::Tensor local_shard_;            // 1-D [shard_numel]
+  at::Tensor padded_unsharded_;       // 1-D [padded_numel]; storage freed while resharded
+  at::Tensor sharded_grad_;           // 1-D [shard_numel] or undefined
+  at::Tensor saved_grad_;             // set aside before backward, added after the reduce-scatter
+  at::Tensor reduce_output_;          // reduce-scatter in flight: output
+  at::Tensor reduce_input_;           // reduce-scatter in flight: padded unsharded gradient
+  comm::PendingCollective pending_unshard_;
+  comm::PendingCollective pending_reduce_;
+  bool unsharded_ = false;
+  bool grads_prepared_ = false;
+  bool requires_grad_ = false;
+};
+
+}  // namespace fsdp
