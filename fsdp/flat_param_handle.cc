@@ -23,6 +23,14 @@ bool is_view_at(const at::Tensor& t, const at::Tensor& base, int64_t offset, int
                                                   offset * static_cast<int64_t>(base.element_size());
 }
 
+// A 1-D tensor over elements [offset, offset + size) of `flat`'s storage that autograd does not
+// track as a view: optimizers call `grad.detach_()` in zero_grad, which views refuse.
+at::Tensor storage_slice(const at::Tensor& flat, int64_t offset, int64_t size) {
+  at::Tensor slice = at::empty({0}, flat.options());
+  slice.set_(flat.storage(), flat.storage_offset() + offset, {size}, {1});
+  return slice;
+}
+
 }  // namespace
 
 FlatParamHandle::FlatParamHandle(std::vector<OrigParam> params,
@@ -120,6 +128,7 @@ void FlatParamHandle::unshard() {
 }
 
 void FlatParamHandle::reshard() {
+  if (!unsharded_ && !pending_unshard_.valid()) return;
   if (pending_unshard_.valid()) {  // never free a buffer a collective still writes into
     pending_unshard_.wait();
     pending_unshard_ = {};
@@ -210,8 +219,7 @@ void FlatParamHandle::finalize_gradients() {
 void FlatParamHandle::set_sharded_grad_views() {
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!params_[i].param.requires_grad()) continue;
-    const auto& s = slices_[i];
-    params_[i].param.mutable_grad() = sharded_grad_.narrow(0, s.shard_offset, s.size());
+    params_[i].param.mutable_grad() = storage_slice(sharded_grad_, slices_[i].shard_offset, slices_[i].size());
   }
 }
 

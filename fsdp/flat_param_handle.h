@@ -75,6 +75,7 @@ class FlatParamHandle {
   const FlatParamLayout& layout() const { return layout_; }
   const std::vector<OrigParam>& params() const { return params_; }
   const std::string& unit_fqn() const { return unit_fqn_; }
+  void set_unit_fqn(std::string fqn) { unit_fqn_ = std::move(fqn); }
   /// This rank's shard of the FlatParameter (1-D, layout().shard_numel() elements).
   const at::Tensor& local_shard() const { return local_shard_; }
   /// The sharded gradient (1-D) or undefined.

@@ -1,9 +1,10 @@
 // Reading rank, world size and local rank from torchrun's and mpirun's variables.
-#include <catch2/catch.hpp>
-
 #include <map>
 
 #include "comm/launch_env.h"
+
+// Last: LibTorch's c10/util/Logging.h defines its own CHECK, and the last definition wins.
+#include <catch2/catch.hpp>
 
 namespace {
 

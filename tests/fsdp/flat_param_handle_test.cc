@@ -1,13 +1,14 @@
 // FlatParamHandle on 1-4 ranks as threads: sharded and unsharded views, freeing the unsharded
 // buffer, gradient reduce-scatter (averaged) and accumulation, writeback of replaced data.
-#include <catch2/catch.hpp>
-
 #include <mutex>
 
 #include <ATen/ATen.h>
 
 #include "fsdp/flat_param_handle.h"
 #include "tests/testing/thread_backend.h"
+
+// Last: LibTorch's c10/util/Logging.h defines its own CHECK, and the last definition wins.
+#include <catch2/catch.hpp>
 
 namespace {
 

@@ -1,7 +1,8 @@
 // FlatParameter layout: exact numbers for alignment, padding and per-rank slices.
-#include <catch2/catch.hpp>
-
 #include "fsdp/flat_param_layout.h"
+
+// Last: LibTorch's c10/util/Logging.h defines its own CHECK, and the last definition wins.
+#include <catch2/catch.hpp>
 
 using fsdp::FlatParamInput;
 using fsdp::make_flat_param_layout;

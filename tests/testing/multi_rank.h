@@ -17,11 +17,12 @@
 // Build with fsdp_mpi_test (tests/testing/testing.bzl), which launches the binary on 1, 2, 3 and 4
 // ranks.
 
-#include <catch2/catch.hpp>
-
 #include <string>
 
 #include "comm/communicator.h"
+
+// Last: LibTorch's c10/util/Logging.h defines its own CHECK, and the last definition wins.
+#include <catch2/catch.hpp>
 
 namespace fsdp::testing {
 

@@ -1,12 +1,13 @@
 // The ranks-as-threads backend: the same closed-form checks as the MPI backend, on 1-4 threads, and
 // its errors for mismatched calls and missing ranks.
-#include <catch2/catch.hpp>
-
 #include <mutex>
 
 #include <ATen/ATen.h>
 
 #include "tests/testing/thread_backend.h"
+
+// Last: LibTorch's c10/util/Logging.h defines its own CHECK, and the last definition wins.
+#include <catch2/catch.hpp>
 
 using fsdp::testing::run_ranks_as_threads;
 

@@ -1,0 +1,330 @@
+#pragma once
+
+// Pre-forward and post-forward hooks on LibTorch modules, and the call path that runs them.
+//
+// [Note: forward hooks]
+// LibTorch's torch::nn::Module has no forward hooks and its `forward` is not virtual, so hooks
+// live in a side table keyed by module identity and run only on the hook-able call paths:
+//   - a hook-able holder's operator() (FSDP_HOOKABLE_MODULE, contract/hookable_module_holder.h,
+//     and the holders in contract/hookable_modules.h),
+//   - fsdp::contract::Sequential, ModuleList and AnyHookableModule, which call their children
+//     through the hooks,
+//   - run_forward(module, args...) and run_forward_ivalues(module, args, forward) below.
+// Calling `holder->forward(...)` or `impl.forward(...)` bypasses the hooks; that is unsupported on
+// a module an API manages (the FSDP engine detects it through the autograd graph).
+//
+// One call runs: the pre-forward hooks in registration order (each may replace arguments), then
+// forward with the (possibly replaced) arguments, then the post-forward hooks in registration
+// order (each sees the arguments forward received and may replace the output). `prepend = true`
+// registers a hook before the existing ones. Hooks added or removed while a call runs take effect
+// from the next call. If forward or a hook throws, the remaining hooks do not run.
+// Hooks see values as IValues ([Note: forward values] in contract/forward_values.h).
+//
+// Hooks belong to the module object: every holder of the same Impl shares them, and clone()
+// does not copy them. The table holds each module weakly and each hook strongly: a hook never
+// keeps its module alive, unless it captures a std::shared_ptr to it (a cycle that lasts until
+// the hook is removed; capture a raw pointer or weak_ptr instead). A destroyed module's hooks are
+// released at the next registration of any hook, or by prune_forward_hooks(). Modules must be
+// owned by a std::shared_ptr (every ModuleHolder is). All functions are thread-safe; hooks run
+// outside the table's lock and may register or remove hooks.
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string_view>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/ivalue.h>
+#include <c10/util/Exception.h>
+#include <c10/util/FunctionRef.h>
+#include <c10/util/Type.h>
+
+#include "contract/forward_values.h"
+
+namespace torch::nn {
+class Module;
+}  // namespace torch::nn
+
+namespace fsdp::contract {
+
+/// A pre-forward hook: runs before `forward` and may replace `args` in place (same number of
+/// arguments, each of the same stored type).
+///
+///   ForwardPreHook unshard = [&](torch::nn::Module& m, ForwardArgs& args) { handle.unshard(); };
+using ForwardPreHook = std::function<void(torch::nn::Module& module, ForwardArgs& args)>;
+
+/// A post-forward hook: runs after `forward`, sees the arguments `forward` received, and may
+/// replace `output` in place (by a value of the same stored type).
+///
+///   ForwardHook reshard = [&](torch::nn::Module& m, const ForwardArgs& args, c10::IValue& out) {
+///     handle.reshard();
+///     for_each_tensor(out, [&](const at::Tensor& t) { /* register pre-backward hook */ });
+///   };
+using ForwardHook = std::function<void(torch::nn::Module& module, const ForwardArgs& args,
+                                       c10::IValue& output)>;
+
+namespace detail {
+class ForwardHookTable;
+}  // namespace detail
+
+/// Returned by the register functions; `remove()` unregisters the hook. Like Python's
+/// `RemovableHandle`, destroying or copying the handle does not remove the hook; copies refer to
+/// the same hook. A default-constructed handle refers to no hook.
+///
+///   auto handle = register_forward_pre_hook(*block, hook);
+///   ...
+///   handle.remove();   // idempotent; a no-op once the module is destroyed
+class RemovableHandle {
+ public:
+  RemovableHandle() = default;
+
+  /// Unregisters the hook. Idempotent; a no-op once the module is destroyed.
+  void remove();
+
+  /// True while the hook is registered on a live module.
+  bool is_registered() const;
+
+ private:
+  friend class detail::ForwardHookTable;
+  RemovableHandle(const torch::nn::Module* module, uint64_t id) : module_(module), id_(id) {}
+
+  const torch::nn::Module* module_ = nullptr;  // key into the hook table, never dereferenced
+  uint64_t id_ = 0;                            // unique across all modules and all time
+};
+
+/// Registers a pre-forward hook on `module` (after the existing ones, or first with `prepend`).
+/// Throws c10::Error if `hook` is empty or `module` is not owned by a std::shared_ptr.
+///
+///   auto handle = fsdp::contract::register_forward_pre_hook(
+///       *model->fc, [](torch::nn::Module&, ForwardArgs& args) {
+///         args[0] = args[0].toTensor() * 2;   // replaces the input
+///       });
+RemovableHandle register_forward_pre_hook(torch::nn::Module& module, ForwardPreHook hook,
+                                          bool prepend = false);
+
+/// Registers a post-forward hook on `module` (after the existing ones, or first with `prepend`).
+/// Throws c10::Error if `hook` is empty or `module` is not owned by a std::shared_ptr.
+///
+///   auto handle = fsdp::contract::register_forward_hook(
+///       *model->fc, [](torch::nn::Module&, const ForwardArgs&, c10::IValue& out) {
+///         out = out.toTensor().relu();         // replaces the output
+///       });
+RemovableHandle register_forward_hook(torch::nn::Module& module, ForwardHook hook,
+                                      bool prepend = false);
+
+/// The number of pre-forward hooks registered on `module`.
+size_t num_forward_pre_hooks(const torch::nn::Module& module);
+
+/// The number of post-forward hooks registered on `module`.
+size_t num_forward_hooks(const torch::nn::Module& module);
+
+/// Releases the hooks of destroyed modules now (what they capture is destroyed), rather than at
+/// the next registration. Returns the number of modules whose hooks were released.
+///
+///   model = nullptr;                          // destroy the model
+///   fsdp::contract::prune_forward_hooks();    // and what its hooks captured
+size_t prune_forward_hooks();
+
+/// Identifies the hooks registered so far (hook ids grow monotonically).
+using ForwardHookCheckpoint = uint64_t;
+
+/// The current checkpoint: every hook registered later has a larger id.
+ForwardHookCheckpoint forward_hook_checkpoint();
+
+/// Removes the hooks registered after `checkpoint` on any of `modules`. `apply_api` uses it to
+/// undo the hooks that a failed API application registered inside its module's tree.
+void remove_forward_hooks_after(ForwardHookCheckpoint checkpoint,
+                                const std::vector<const torch::nn::Module*>& modules);
+
+/// Runs `forward(args)` with `module`'s hooks around it, on IValues: the type-erased call path of
+/// containers (AnyHookableModule, Sequential). `forward` receives the arguments after the
+/// pre-forward hooks; it must not modify them (the post-forward hooks see them).
+///
+///   c10::IValue out = run_forward_ivalues(*block, {c10::IValue(x)},
+///       [&](const ForwardArgs& a) { return c10::IValue(block->forward(a[0].toTensor())); });
+c10::IValue run_forward_ivalues(torch::nn::Module& module, ForwardArgs args,
+                                c10::function_ref<c10::IValue(const ForwardArgs&)> forward);
+
+namespace detail {
+
+// The signature of a plain forward: one non-template, non-overloaded, non-const member function
+// (what torch::nn::AnyModule can store) whose parameters and output are forward values.
+template <typename F>
+struct ForwardSignature {
+  static constexpr bool valid = false;
+};
+template <typename C, typename R, typename... A>
+struct ForwardSignature<R (C::*)(A...)> {
+  static constexpr bool valid =
+      !std::is_void_v<R> && ForwardValue<R> && (ForwardValue<A> && ...) &&
+      ((!std::is_lvalue_reference_v<A> || std::is_const_v<std::remove_reference_t<A>>) && ...);
+  using Output = std::decay_t<R>;
+  using Params = std::tuple<A...>;
+};
+
+}  // namespace detail
+
+/// A module with a plain typed forward: one non-template, non-overloaded, non-const `forward`
+/// whose parameter and output types are forward values and whose parameters are not non-const
+/// lvalue references (what torch::nn::AnyModule can store).
+template <typename M>
+concept TypedForwardModule =
+    requires { &M::forward; } && detail::ForwardSignature<decltype(&M::forward)>::valid;
+
+/// Calls `module.forward(args...)` with `module`'s forward hooks around it: the typed call path
+/// of hook-able holders. With no hooks registered it is a direct call (one table lookup); with
+/// hooks, the arguments and output cross through IValues ([Note: forward values]), so every
+/// argument type and the output type must be forward values (checked at compile time). When
+/// forward is plain (TypedForwardModule), hooks see each argument as forward's parameter type
+/// (an `int` passed for a `double` parameter is a Double); otherwise as the caller's type.
+/// Returns forward's output by value.
+///
+///   torch::Tensor y = fsdp::contract::run_forward(*block, x);               // Tensor forward(Tensor)
+///   auto [out, weights] = fsdp::contract::run_forward(*attn, q, k, v);     // tuple output
+template <typename M, typename... Args>
+auto run_forward(M& module, Args&&... args)
+    -> std::decay_t<decltype(module.forward(std::forward<Args>(args)...))>;
+
+// ----------------------------------------------------------------------------------------------
+// Implementation details.
+
+namespace detail {
+
+// One module's hooks, in call order. Immutable once published: registering or removing a hook
+// publishes a new copy, so a call iterates a consistent snapshot without holding a lock.
+struct ForwardHookLists {
+  struct PreHookEntry {
+    uint64_t id;
+    std::shared_ptr<const ForwardPreHook> hook;
+  };
+  struct HookEntry {
+    uint64_t id;
+    std::shared_ptr<const ForwardHook> hook;
+  };
+  std::vector<PreHookEntry> pre;
+  std::vector<HookEntry> post;
+};
+
+// The hooks of `module`, or nullptr when it has none.
+std::shared_ptr<const ForwardHookLists> forward_hooks_of(const torch::nn::Module& module);
+
+// Run the hooks of one call. The pre-forward runner checks that hooks keep the argument count.
+void run_forward_pre_hooks(const ForwardHookLists& hooks, torch::nn::Module& module,
+                           ForwardArgs& args);
+void run_forward_post_hooks(const ForwardHookLists& hooks, torch::nn::Module& module,
+                            const ForwardArgs& args, c10::IValue& output);
+
+// Throws the error for a forward value of the wrong type: `what` is "argument" (replaced by a
+// pre-forward hook; `index` is its position), "output" (replaced by a post-forward hook) or
+// "requested output" (a container's forward<Output> asked for another type than forward returns).
+[[noreturn]] void throw_forward_value_mismatch(const torch::nn::Module& module,
+                                               std::string_view what, size_t index,
+                                               const char* expected, const c10::IValue& got,
+                                               const c10::Error& error);
+
+// Converts `value` to stored type `S`, naming the module and the value on a mismatch.
+template <typename S>
+S forward_value_as(const torch::nn::Module& module, const c10::IValue& value,
+                   std::string_view what, size_t index) {
+  try {
+    return c10::IValue(value).to<S>();
+  } catch (const c10::Error& error) {
+    throw_forward_value_mismatch(module, what, index, c10::demangle_type<S>(), value, error);
+  }
+}
+
+// The decayed types run_forward passes arguments as: forward's first sizeof...(Args) parameter
+// types when forward is plain, else the caller's argument types.
+template <typename M, typename... Args>
+struct CallParameters {
+  using type = std::tuple<std::decay_t<Args>...>;
+};
+template <typename M, typename... Args>
+  requires TypedForwardModule<M> &&
+           (sizeof...(Args) <=
+            std::tuple_size_v<typename ForwardSignature<decltype(&M::forward)>::Params>)
+struct CallParameters<M, Args...> {
+  using Params = typename ForwardSignature<decltype(&M::forward)>::Params;
+  using type = decltype([]<std::size_t... I>(std::index_sequence<I...>) {
+    return std::tuple<std::decay_t<std::tuple_element_t<I, Params>>...>();
+  }(std::index_sequence_for<Args...>{}));
+};
+
+// `arg` converted to parameter type `P` as the call would convert it (implicitly).
+template <typename P, typename Arg>
+P as_call_parameter(const Arg& arg) {
+  static_assert(std::is_convertible_v<const Arg&, P>,
+                "fsdp::contract::run_forward: an argument does not convert to forward's "
+                "parameter type");
+  return arg;
+}
+
+// The arguments as stored types, after the pre-forward hooks.
+template <typename... S>
+std::tuple<S...> stored_args_from(const torch::nn::Module& module, const ForwardArgs& args) {
+  return [&]<std::size_t... I>(std::index_sequence<I...>) {
+    return std::tuple<S...>(forward_value_as<S>(module, args[I], "argument", I)...);
+  }(std::index_sequence_for<S...>{});
+}
+
+}  // namespace detail
+
+template <typename M, typename... Args>
+auto run_forward(M& module, Args&&... args)
+    -> std::decay_t<decltype(module.forward(std::forward<Args>(args)...))> {
+  using Output = std::decay_t<decltype(module.forward(std::forward<Args>(args)...))>;
+  using Params = typename detail::CallParameters<M, Args...>::type;
+  static_assert(ForwardValue<Params>,
+                "fsdp::contract::run_forward: every argument of a hook-able forward call must be "
+                "a forward value: tensors, bool, integers, floats, strings, at::Scalar, "
+                "c10::IValue, or optionals, vectors, ArrayRefs and tuples of these "
+                "([Note: forward values] in contract/forward_values.h)");
+  static_assert(std::is_void_v<Output> || ForwardValue<Output>,
+                "fsdp::contract::run_forward: the output of a hook-able forward must be void or "
+                "a forward value ([Note: forward values] in contract/forward_values.h)");
+  torch::nn::Module& base = module;
+  std::shared_ptr<const detail::ForwardHookLists> hooks = detail::forward_hooks_of(base);
+  if (hooks == nullptr) {
+    return module.forward(std::forward<Args>(args)...);
+  }
+
+  ForwardArgs values;
+  values.reserve(sizeof...(Args));
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    (values.push_back(to_forward_ivalue(
+         detail::as_call_parameter<std::tuple_element_t<I, Params>>(args))),
+     ...);
+  }(std::index_sequence_for<Args...>{});
+  const bool may_have_replaced_args = !hooks->pre.empty();
+  detail::run_forward_pre_hooks(*hooks, base, values);
+  auto invoke = [&]() -> Output {
+    if (!may_have_replaced_args) {
+      return module.forward(std::forward<Args>(args)...);
+    }
+    auto stored = [&]<std::size_t... I>(std::index_sequence<I...>) {
+      return detail::stored_args_from<
+          stored_forward_value_t<std::tuple_element_t<I, Params>>...>(base, values);
+    }(std::index_sequence_for<Args...>{});
+    return std::apply([&module](auto&... a) -> Output { return module.forward(a...); }, stored);
+  };
+
+  if constexpr (std::is_void_v<Output>) {
+    invoke();
+    c10::IValue output;  // None; a replacement has nowhere to go
+    detail::run_forward_post_hooks(*hooks, base, values, output);
+  } else {
+    Output output = invoke();
+    if (hooks->post.empty()) {
+      return output;
+    }
+    c10::IValue boxed = to_forward_ivalue(output);
+    detail::run_forward_post_hooks(*hooks, base, values, boxed);
+    return detail::from_stored<Output>(
+        detail::forward_value_as<stored_forward_value_t<Output>>(base, boxed, "output", 0));
+  }
+}
+
+}  // namespace fsdp::contract

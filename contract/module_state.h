@@ -1,0 +1,173 @@
+#pragma once
+
+// Per-module, per-API state of the composable APIs (the side table that Python keeps in
+// `_composable/contract.py`'s module attributes).
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <typeinfo>
+#include <unordered_map>
+#include <vector>
+
+#include <c10/util/Exception.h>
+#include <c10/util/Type.h>
+
+namespace torch::nn {
+class Module;
+}  // namespace torch::nn
+
+namespace fsdp::contract {
+
+/// Base class of the state a composable API keeps for one module (`fully_shard` keeps its
+/// `FSDPState` here). An API without state may register a plain `ApiState`.
+///
+///   struct ReplicateState : fsdp::contract::ApiState { int64_t bucket_bytes = 0; };
+class ApiState {
+ public:
+  virtual ~ApiState() = default;
+};
+
+// [Note: module state ownership]
+// The registry is a side table keyed by module identity; the module tree and its FQNs never
+// change. It holds each module *weakly* (a std::weak_ptr taken from the module's
+// enable_shared_from_this) and each state *strongly*:
+//  - the registry never keeps a module alive; a destroyed module's entries are invisible to every
+//    lookup at once, and their states are destroyed at the next insert() or prune(), or when the
+//    registry is destroyed (LibTorch gives no callback when a module dies). A program that
+//    destroys a model and wants its states (and the memory they hold) gone at once calls
+//    prune();
+//  - a module reusing the address of a destroyed one never sees the old states;
+//  - a state that holds a std::shared_ptr to its own module (or to an ancestor) keeps that module
+//    alive until erase(): states should point at their module with a raw pointer or a weak_ptr.
+// Modules must be owned by a std::shared_ptr (every ModuleHolder is) to receive state.
+
+/// The table of composable-API states: per module, per API name, one `ApiState`. Applying an API
+/// to a module twice is an error; different APIs may share a module. Thread-safe; states are
+/// destroyed outside the registry's lock, so a state's destructor may use the registry.
+///
+///   auto& registry = fsdp::contract::ModuleStateRegistry::global();
+///   registry.insert(*block, "fully_shard", std::make_shared<FSDPState>(...));
+///   auto state = registry.get_as<FSDPState>(*block, "fully_shard");   // nullptr if not applied
+///   for (auto& module : registry.modules_with("fully_shard")) { ... }
+class ModuleStateRegistry {
+ public:
+  /// A position in the registry's insertion history; see rollback().
+  using Checkpoint = uint64_t;
+
+  /// The process-wide registry that `apply_api` uses by default.
+  static ModuleStateRegistry& global();
+
+  ModuleStateRegistry() = default;
+  ModuleStateRegistry(const ModuleStateRegistry&) = delete;
+  ModuleStateRegistry& operator=(const ModuleStateRegistry&) = delete;
+  ~ModuleStateRegistry();
+
+  /// Records `state` as the state of `api` for `module`. Throws c10::Error naming the API and the
+  /// module's FQN (see describe()) if `api` was already applied to `module`, if `state` is null,
+  /// or if `module` is not owned by a std::shared_ptr.
+  ///
+  ///   registry.insert(*model, "replicate", std::make_shared<ReplicateState>());
+  void insert(torch::nn::Module& module, std::string_view api, std::shared_ptr<ApiState> state);
+
+  /// Throws the c10::Error that insert() throws for a second application if `api` was already
+  /// applied to `module`: "<api>: module '<fqn>' (<class>) already has <api> applied; ...".
+  ///
+  ///   registry.check_not_applied(*block, "fully_shard");   // before doing any work
+  void check_not_applied(const torch::nn::Module& module, std::string_view api) const;
+
+  /// The state of `api` for `module`, or nullptr when `api` was not applied to it.
+  ///
+  ///   if (auto state = registry.get(*block, "fully_shard")) { ... }
+  std::shared_ptr<ApiState> get(const torch::nn::Module& module, std::string_view api) const;
+
+  /// Like get(), cast to `State`. Throws c10::Error if the state exists but is of another type.
+  ///
+  ///   std::shared_ptr<FSDPState> state = registry.get_as<FSDPState>(*block, "fully_shard");
+  template <typename State>
+  std::shared_ptr<State> get_as(const torch::nn::Module& module, std::string_view api) const;
+
+  /// True when `api` was applied to `module`.
+  bool contains(const torch::nn::Module& module, std::string_view api) const;
+
+  /// The APIs applied to `module`, in application order.
+  ///
+  ///   registry.apis_of(*model);   // {"replicate", "fully_shard"}
+  std::vector<std::string> apis_of(const torch::nn::Module& module) const;
+
+  /// The live modules that carry `api`, in application order. The returned pointers keep the
+  /// modules alive only as long as the caller holds them.
+  ///
+  ///   for (const auto& module : registry.modules_with("fully_shard")) { ... }
+  std::vector<std::shared_ptr<torch::nn::Module>> modules_with(std::string_view api) const;
+
+  /// Removes the state of `api` for `module` (the state is destroyed unless held elsewhere).
+  /// Returns false when there was none.
+  bool erase(const torch::nn::Module& module, std::string_view api);
+
+  /// Destroys the states of modules that no longer exist. Returns how many states were dropped.
+  /// insert() does it as well; call it to release them at a known time.
+  ///
+  ///   model = nullptr;                                          // destroy the model
+  ///   fsdp::contract::ModuleStateRegistry::global().prune();    // and its states
+  size_t prune();
+
+  /// The number of (module, API) entries of live modules.
+  size_t size() const;
+
+  /// Describes `module` for error messages: its FQN relative to the outermost live module that
+  /// carries any API in this registry and contains it (the root, once the root's API is applied),
+  /// else "<root>", followed by its class: "'blocks.0' (BlockImpl)".
+  std::string describe(const torch::nn::Module& module) const;
+
+  /// The current position in the insertion history, for rollback().
+  Checkpoint checkpoint() const;
+
+  /// Erases the entries inserted after `checkpoint` whose module is one of `modules`. `apply_api`
+  /// uses it to undo the entries that a failed API application added inside its module's tree.
+  void rollback(Checkpoint checkpoint, const std::vector<const torch::nn::Module*>& modules);
+
+ private:
+  struct ApiEntry {
+    std::string api;
+    std::shared_ptr<ApiState> state;
+    uint64_t sequence;  // insertion order, across all modules
+  };
+  struct ModuleEntry {
+    std::weak_ptr<torch::nn::Module> module;
+    std::vector<ApiEntry> apis;  // application order
+  };
+  using Table = std::unordered_map<const torch::nn::Module*, ModuleEntry>;
+
+  // The live entry of `module`, or nullptr (also for a stale entry left by a destroyed module
+  // whose address `module` reuses). Caller holds mutex_.
+  const ModuleEntry* find_live_locked(const torch::nn::Module& module) const;
+  // Moves the states of destroyed modules into `graveyard`. Caller holds mutex_.
+  size_t prune_locked(std::vector<std::shared_ptr<ApiState>>& graveyard);
+  std::vector<std::shared_ptr<torch::nn::Module>> live_modules() const;
+
+  mutable std::mutex mutex_;
+  Table entries_;
+  uint64_t last_sequence_ = 0;
+};
+
+// ----------------------------------------------------------------------------------------------
+// Implementation of the templates.
+
+template <typename State>
+std::shared_ptr<State> ModuleStateRegistry::get_as(const torch::nn::Module& module,
+                                                   std::string_view api) const {
+  std::shared_ptr<ApiState> state = get(module, api);
+  if (state == nullptr) {
+    return nullptr;
+  }
+  auto typed = std::dynamic_pointer_cast<State>(state);
+  TORCH_CHECK(typed != nullptr, api, ": module ", describe(module), " carries a state of type ",
+              c10::demangle(typeid(static_cast<const ApiState&>(*state)).name()), ", expected ", c10::demangle_type<State>(),
+              "; hint: two APIs registered under the same name '", api, "'?");
+  return typed;
+}
+
+}  // namespace fsdp::contract

@@ -1,0 +1,90 @@
+#pragma once
+// FSDPState: the state of one `fully_shard` call (the seed note's _FSDPState). It owns the unit's
+// FlatParamHandles (more than one per unit is allowed: one per dtype, later one for frozen
+// parameters), its training state, and, once lazily initialised, a pointer to the root's shared
+// context. The runtime (fsdp/runtime.h) drives it from the forward hooks and from autograd.
+
+#include <memory>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "contract/module_state.h"
+#include "fsdp/flat_param_handle.h"
+
+namespace torch::nn {
+class Module;
+}  // namespace torch::nn
+
+namespace fsdp {
+
+class RootContext;
+
+/// The name fully_shard's state is registered under in the contract's registry.
+inline constexpr const char* kFullyShardApi = "fully_shard";
+
+/// What a unit is doing. Each value is the phase after the transition that set it.
+enum class TrainingState {
+  kIdle,          // outside forward/backward; every handle sharded
+  kForward,       // between pre-forward and post-forward (or from forward to backward)
+  kPreBackward,   // its pre-backward ran: unsharded for gradient computation
+  kPostBackward,  // its gradients are being or have been reduced this backward
+};
+
+const char* to_string(TrainingState state);
+
+/// The options a unit was created with (see composable/fully_shard.h for the user-facing ones).
+struct FSDPConfig {
+  std::shared_ptr<comm::Communicator> comm;
+  /// FULL_SHARD (true): reshard after forward, all-gather again in backward.
+  bool reshard_after_forward = true;
+};
+
+class FSDPState final : public contract::ApiState {
+ public:
+  /// `fqn` names the module in errors (relative to the outermost managed module known at the time).
+  FSDPState(torch::nn::Module& module, std::string fqn, FSDPConfig config,
+            std::vector<std::unique_ptr<FlatParamHandle>> handles);
+
+  torch::nn::Module& module() const { return *module_; }
+  const std::string& fqn() const { return fqn_; }
+  /// Renames the unit (lazy initialisation names it relative to its root) and its handles.
+  void set_fqn(std::string fqn);
+  const FSDPConfig& config() const { return config_; }
+  const std::vector<std::unique_ptr<FlatParamHandle>>& handles() const { return handles_; }
+  /// The original parameters this unit's handles manage (by tensor identity).
+  bool manages(const at::Tensor& param) const;
+
+  TrainingState training_state() const { return training_state_; }
+  void set_training_state(TrainingState state) { training_state_ = state; }
+
+  /// Set by lazy initialisation (every state in the root's tree shares the root's context).
+  RootContext* root_context() const { return root_context_.get(); }
+  const std::shared_ptr<RootContext>& shared_root_context() const { return root_context_; }
+  void set_root_context(std::shared_ptr<RootContext> context) { root_context_ = std::move(context); }
+  bool is_root() const;
+
+  /// Unshards / reshards every handle of this unit (the user-facing FSDPModule calls these too).
+  void unshard();
+  void reshard();
+  /// Issues the all-gathers of every handle without waiting (prefetch).
+  void start_unshard();
+
+  // Per-iteration bookkeeping used by the runtime.
+  int pending_post_backward = 0;   // RegisterPostBackward nodes not yet run this iteration
+  bool pre_backward_done = false;  // this iteration's pre-backward ran
+  bool reduced = false;            // this iteration's gradients were reduce-scattered
+  bool ran_forward = false;        // pre-forward ran this iteration
+
+ private:
+  torch::nn::Module* module_;
+  std::string fqn_;
+  FSDPConfig config_;
+  std::vector<std::unique_ptr<FlatParamHandle>> handles_;
+  std::unordered_set<const void*> managed_;  // TensorImpl* of managed parameters
+  TrainingState training_state_ = TrainingState::kIdle;
+  std::shared_ptr<RootContext> root_context_;
+};
+
+}  // namespace fsdp

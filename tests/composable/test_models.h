@@ -1,0 +1,63 @@
+#pragma once
+// Models used by the fully_shard tests, written as a user would: LibTorch modules opted into
+// forward hooks with one line each, children called through their holders.
+
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/module.h>
+
+#include "contract/hookable_module_holder.h"
+#include "contract/hookable_module_list.h"
+#include "contract/hookable_modules.h"
+#include "contract/hookable_sequential.h"
+
+namespace fsdp::testing {
+
+/// x + fc2(relu(fc1(x)))
+struct MlpBlockImpl : torch::nn::Module {
+  MlpBlockImpl(int64_t dim, int64_t hidden) {
+    fc1 = register_module("fc1", contract::Linear(dim, hidden));
+    fc2 = register_module("fc2", contract::Linear(hidden, dim));
+  }
+  torch::Tensor forward(torch::Tensor x) { return x + fc2(torch::relu(fc1(x))); }
+  contract::Linear fc1{nullptr}, fc2{nullptr};
+};
+FSDP_HOOKABLE_MODULE(MlpBlock);
+
+/// in -> blocks -> head
+struct MlpStackImpl : torch::nn::Module {
+  MlpStackImpl(int64_t in_dim, int64_t dim, int64_t hidden, int64_t depth, int64_t out_dim) {
+    in = register_module("in", contract::Linear(in_dim, dim));
+    blocks = register_module("blocks", contract::ModuleList());
+    for (int64_t i = 0; i < depth; ++i) blocks->push_back(MlpBlock(dim, hidden));
+    head = register_module("head", contract::Linear(dim, out_dim));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = in(x);
+    for (const auto& block : *blocks) x = block.forward<torch::Tensor>(x);
+    return head(x);
+  }
+  MlpBlock block(size_t i) const { return blocks->at<MlpBlock>(i); }
+  contract::Linear in{nullptr}, head{nullptr};
+  contract::ModuleList blocks{nullptr};
+};
+FSDP_HOOKABLE_MODULE(MlpStack);
+
+/// Seq(Lin(8,4), Seq(Lin(4,16), Lin(16,16)), Lin(16,4), Lin(4,8)), with a ReLU after the inner Seq.
+inline contract::Sequential make_nested_sequential() {
+  return contract::Sequential(contract::Linear(8, 4),
+                              contract::Sequential(contract::Linear(4, 16), contract::Linear(16, 16)),
+                              contract::Linear(16, 4), contract::Linear(4, 8));
+}
+
+/// Parameters smaller than the world size: Linear(3,3), then Linear(1,1) on the row sums.
+struct TinyImpl : torch::nn::Module {
+  TinyImpl() {
+    a = register_module("a", contract::Linear(3, 3));
+    b = register_module("b", contract::Linear(1, 1));
+  }
+  torch::Tensor forward(torch::Tensor x) { return b(torch::tanh(a(x)).sum(-1, true)); }
+  contract::Linear a{nullptr}, b{nullptr};
+};
+FSDP_HOOKABLE_MODULE(Tiny);
+
+}  // namespace fsdp::testing

@@ -1,0 +1,397 @@
+#include "contract/forward_hooks.h"
+
+#include <optional>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+// Catch2 last: c10/util/Logging.h defines a CHECK macro of its own, and the last definition wins.
+#include <catch2/catch.hpp>
+
+namespace {
+
+using fsdp::contract::ForwardArgs;
+using fsdp::contract::RemovableHandle;
+using fsdp::contract::register_forward_hook;
+using fsdp::contract::register_forward_pre_hook;
+using fsdp::contract::run_forward;
+using fsdp::contract::run_forward_ivalues;
+
+using Log = std::vector<std::string>;
+
+// y = 2x + 1, logging each call and keeping the input it received.
+struct AffineImpl : torch::nn::Module {
+  explicit AffineImpl(Log* log = nullptr) : log_(log) {}
+  torch::Tensor forward(torch::Tensor x) {
+    if (log_ != nullptr) log_->push_back("forward");
+    ++calls;
+    last_input = x;
+    return x * 2 + 1;
+  }
+  Log* log_;
+  int calls = 0;
+  torch::Tensor last_input;
+};
+TORCH_MODULE(Affine);
+
+struct PairImpl : torch::nn::Module {
+  std::tuple<torch::Tensor, torch::Tensor> forward(const torch::Tensor& a, const torch::Tensor& b) {
+    return {a + b, a - b};
+  }
+};
+TORCH_MODULE(Pair);
+
+struct MixedImpl : torch::nn::Module {
+  torch::Tensor forward(const torch::Tensor& x, double scale, bool negate,
+                        std::optional<torch::Tensor> bias) {
+    torch::Tensor y = x * scale;
+    if (negate) y = -y;
+    if (bias) y = y + *bias;
+    return y;
+  }
+};
+TORCH_MODULE(Mixed);
+
+struct SinkImpl : torch::nn::Module {
+  void forward(const torch::Tensor& x) { received = x; }
+  torch::Tensor received;
+};
+TORCH_MODULE(Sink);
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& error) {
+    return error.what_without_backtrace();
+  }
+  return "<no error>";
+}
+
+auto log_pre(Log& log, std::string name) {
+  return [&log, name](torch::nn::Module&, ForwardArgs&) { log.push_back(name); };
+}
+auto log_post(Log& log, std::string name) {
+  return [&log, name](torch::nn::Module&, const ForwardArgs&, c10::IValue&) {
+    log.push_back(name);
+  };
+}
+
+}  // namespace
+
+TEST_CASE("without hooks run_forward is forward") {
+  Affine affine;
+  torch::Tensor x = torch::arange(3.0);
+  CHECK(torch::equal(run_forward(*affine, x), x * 2 + 1));
+  CHECK(affine->last_input.is_same(x));
+  CHECK(fsdp::contract::num_forward_pre_hooks(*affine) == 0);
+  CHECK(fsdp::contract::num_forward_hooks(*affine) == 0);
+}
+
+TEST_CASE("pre-forward hooks, forward, post-forward hooks run in registration order") {
+  Log log;
+  Affine affine(&log);
+  register_forward_pre_hook(*affine, log_pre(log, "pre1"));
+  register_forward_hook(*affine, log_post(log, "post1"));
+  register_forward_pre_hook(*affine, log_pre(log, "pre2"));
+  register_forward_hook(*affine, log_post(log, "post2"));
+  CHECK(fsdp::contract::num_forward_pre_hooks(*affine) == 2);
+  CHECK(fsdp::contract::num_forward_hooks(*affine) == 2);
+
+  run_forward(*affine, torch::ones({1}));
+  CHECK(log == Log{"pre1", "pre2", "forward", "post1", "post2"});
+}
+
+TEST_CASE("prepend registers a hook before the existing ones") {
+  Log log;
+  Affine affine(&log);
+  register_forward_pre_hook(*affine, log_pre(log, "pre1"));
+  register_forward_pre_hook(*affine, log_pre(log, "pre0"), /*prepend=*/true);
+  register_forward_hook(*affine, log_post(log, "post1"));
+  register_forward_hook(*affine, log_post(log, "post0"), /*prepend=*/true);
+  run_forward(*affine, torch::ones({1}));
+  CHECK(log == Log{"pre0", "pre1", "forward", "post0", "post1"});
+}
+
+TEST_CASE("pre-forward hooks replace inputs; later hooks and forward see the replacement") {
+  Affine affine;
+  torch::Tensor x = torch::arange(3.0);
+  torch::Tensor seen_by_second;
+  register_forward_pre_hook(*affine, [](torch::nn::Module&, ForwardArgs& args) {
+    args[0] = args[0].toTensor() + 10;
+  });
+  register_forward_pre_hook(*affine, [&](torch::nn::Module&, ForwardArgs& args) {
+    seen_by_second = args[0].toTensor();
+  });
+
+  torch::Tensor y = run_forward(*affine, x);
+  CHECK(torch::equal(seen_by_second, x + 10));
+  CHECK(torch::equal(affine->last_input, x + 10));
+  CHECK(torch::equal(y, (x + 10) * 2 + 1));
+}
+
+TEST_CASE("post-forward hooks see forward's arguments and replace the output in turn") {
+  Affine affine;
+  torch::Tensor x = torch::arange(3.0);
+  torch::Tensor args_seen;
+  torch::Tensor output_seen_by_second;
+  register_forward_pre_hook(*affine, [](torch::nn::Module&, ForwardArgs& args) {
+    args[0] = args[0].toTensor() * 0;
+  });
+  register_forward_hook(
+      *affine, [&](torch::nn::Module& module, const ForwardArgs& args, c10::IValue& output) {
+        CHECK(&module == affine.get());
+        args_seen = args.at(0).toTensor();
+        output = output.toTensor() + 100;
+      });
+  register_forward_hook(
+      *affine, [&](torch::nn::Module&, const ForwardArgs&, c10::IValue& output) {
+        output_seen_by_second = output.toTensor();
+      });
+
+  torch::Tensor y = run_forward(*affine, x);
+  CHECK(torch::equal(args_seen, torch::zeros({3})));  // after the pre-forward hook
+  CHECK(torch::equal(output_seen_by_second, torch::full({3}, 101.0)));
+  CHECK(torch::equal(y, torch::full({3}, 101.0)));
+}
+
+TEST_CASE("multi-tensor inputs and tuple outputs cross the hooks") {
+  Pair pair;
+  torch::Tensor a = torch::full({2}, 5.0);
+  torch::Tensor b = torch::full({2}, 3.0);
+  size_t num_args = 0;
+  register_forward_pre_hook(*pair, [&](torch::nn::Module&, ForwardArgs& args) {
+    num_args = args.size();
+    args[1] = args[1].toTensor() * 0;  // b := 0
+  });
+  register_forward_hook(
+      *pair, [](torch::nn::Module&, const ForwardArgs&, c10::IValue& output) {
+        auto elements = output.toTupleRef().elements().vec();
+        elements[1] = elements[1].toTensor() * -1;
+        output = c10::ivalue::Tuple::create(std::move(elements));
+      });
+
+  auto [sum, difference] = run_forward(*pair, a, b);
+  CHECK(num_args == 2);
+  CHECK(torch::equal(sum, a));
+  CHECK(torch::equal(difference, -a));
+}
+
+TEST_CASE("non-tensor arguments reach hooks as IValues and go back to forward's types") {
+  Mixed mixed;
+  torch::Tensor x = torch::ones({2});
+  std::vector<std::string> kinds;
+  register_forward_pre_hook(*mixed, [&](torch::nn::Module&, ForwardArgs& args) {
+    for (const auto& arg : args) kinds.push_back(arg.tagKind());
+    CHECK(args[1].toDouble() == 3.0);
+    args[1] = 0.5;                          // scale
+    args[2] = false;                        // negate
+    args[3] = torch::full({2}, 10.0);       // bias: None -> tensor
+  });
+
+  torch::Tensor y = run_forward(*mixed, x, 3, true, std::optional<torch::Tensor>());
+  // Hooks see forward's parameter types: the int 3 arrives as the double 3.0.
+  CHECK(kinds == std::vector<std::string>{"Tensor", "Double", "Bool", "None"});
+  CHECK(torch::equal(y, torch::full({2}, 10.5)));
+}
+
+TEST_CASE("a hook that keeps the arguments leaves forward's result unchanged") {
+  Mixed mixed;
+  torch::Tensor x = torch::randn({2});
+  torch::Tensor bias = torch::randn({2});
+  register_forward_pre_hook(*mixed, [](torch::nn::Module&, ForwardArgs&) {});
+  torch::Tensor hooked = run_forward(*mixed, x, 3, true, std::optional<torch::Tensor>(bias));
+  CHECK(torch::equal(hooked, mixed->forward(x, 3, true, bias)));
+}
+
+TEST_CASE("remove() unregisters a hook; it is idempotent") {
+  Log log;
+  Affine affine(&log);
+  RemovableHandle pre = register_forward_pre_hook(*affine, log_pre(log, "pre"));
+  RemovableHandle post = register_forward_hook(*affine, log_post(log, "post"));
+  CHECK(pre.is_registered());
+  pre.remove();
+  CHECK_FALSE(pre.is_registered());
+  CHECK(post.is_registered());
+  pre.remove();  // no-op
+  run_forward(*affine, torch::ones({1}));
+  CHECK(log == Log{"forward", "post"});
+
+  RemovableHandle copy = post;  // copies refer to the same hook
+  copy.remove();
+  CHECK_FALSE(post.is_registered());
+  log.clear();
+  run_forward(*affine, torch::ones({1}));
+  CHECK(log == Log{"forward"});
+  CHECK_FALSE(RemovableHandle().is_registered());
+  CHECK_NOTHROW(RemovableHandle().remove());
+}
+
+TEST_CASE("hooks added or removed during a call take effect from the next call") {
+  Log log;
+  Affine affine(&log);
+  RemovableHandle second;
+  RemovableHandle added;
+  register_forward_pre_hook(*affine, [&](torch::nn::Module& m, ForwardArgs&) {
+    log.push_back("first");
+    second.remove();
+    if (!added.is_registered()) added = register_forward_hook(m, log_post(log, "added"));
+  });
+  second = register_forward_pre_hook(*affine, log_pre(log, "second"));
+
+  run_forward(*affine, torch::ones({1}));
+  CHECK(log == Log{"first", "second", "forward"});
+  log.clear();
+  run_forward(*affine, torch::ones({1}));
+  CHECK(log == Log{"first", "forward", "added"});
+}
+
+TEST_CASE("a pre-forward hook may not change the number of arguments") {
+  Affine affine;
+  register_forward_pre_hook(*affine, [](torch::nn::Module&, ForwardArgs& args) {
+    args.push_back(c10::IValue(1));
+  });
+  const std::string message = error_of([&] { run_forward(*affine, torch::ones({1})); });
+  CHECK_THAT(message, Catch::Contains("pre-forward hook #0 of module"));
+  CHECK_THAT(message, Catch::Contains("AffineImpl"));
+  CHECK_THAT(message, Catch::Contains("expected 1, got 2"));
+  CHECK(affine->calls == 0);
+}
+
+TEST_CASE("a hook that replaces a value by one of another type fails naming it") {
+  Affine affine;
+  auto pre = register_forward_pre_hook(*affine, [](torch::nn::Module&, ForwardArgs& args) {
+    args[0] = c10::IValue(2.5);
+  });
+  const std::string message = error_of([&] { run_forward(*affine, torch::ones({1})); });
+  CHECK_THAT(message, Catch::Contains("argument 0 of"));
+  CHECK_THAT(message, Catch::Contains("AffineImpl::forward"));
+  CHECK_THAT(message, Catch::Contains("expected a value of type at::Tensor, got Double"));
+  pre.remove();
+
+  register_forward_hook(
+      *affine, [](torch::nn::Module&, const ForwardArgs&, c10::IValue& output) {
+        output = c10::IValue("not a tensor");
+      });
+  const std::string output_message = error_of([&] { run_forward(*affine, torch::ones({1})); });
+  CHECK_THAT(output_message, Catch::Contains("the output of"));
+  CHECK_THAT(output_message, Catch::Contains("got String"));
+}
+
+TEST_CASE("hooks belong to one module object, not to its class") {
+  Log log;
+  Affine hooked(&log);
+  Affine plain(&log);
+  register_forward_pre_hook(*hooked, log_pre(log, "pre"));
+  run_forward(*plain, torch::ones({1}));
+  CHECK(log == Log{"forward"});
+  log.clear();
+  run_forward(*hooked, torch::ones({1}));
+  CHECK(log == Log{"pre", "forward"});
+}
+
+TEST_CASE("the hook table does not keep modules alive") {
+  Affine affine;
+  std::weak_ptr<AffineImpl> weak = affine.ptr();
+  auto token = std::make_shared<int>(0);  // captured by the hook
+  RemovableHandle handle = register_forward_pre_hook(
+      *affine, [token](torch::nn::Module&, ForwardArgs&) { ++*token; });
+  CHECK(token.use_count() == 2);
+  affine = nullptr;
+  CHECK(weak.expired());
+  CHECK_FALSE(handle.is_registered());
+
+  // What the hook captured is released by prune_forward_hooks() (or the next registration).
+  CHECK(token.use_count() == 2);
+  CHECK(fsdp::contract::prune_forward_hooks() >= 1);
+  CHECK(token.use_count() == 1);
+  CHECK_NOTHROW(handle.remove());
+
+  // A new module, possibly at the same address, starts without hooks.
+  Affine fresh;
+  CHECK(fsdp::contract::num_forward_pre_hooks(*fresh) == 0);
+}
+
+TEST_CASE("register rejects an empty hook and a module not owned by a shared_ptr") {
+  Affine affine;
+  CHECK_THAT(error_of([&] { register_forward_pre_hook(*affine, nullptr); }),
+             Catch::Contains("empty std::function"));
+  AffineImpl on_stack;
+  CHECK_THAT(error_of([&] {
+               register_forward_hook(on_stack,
+                                     [](torch::nn::Module&, const ForwardArgs&, c10::IValue&) {});
+             }),
+             Catch::Contains("not owned by a std::shared_ptr"));
+}
+
+TEST_CASE("a void forward runs its hooks with a None output") {
+  Sink sink;
+  bool saw_none = false;
+  register_forward_hook(
+      *sink, [&](torch::nn::Module&, const ForwardArgs&, c10::IValue& output) {
+        saw_none = output.isNone();
+      });
+  torch::Tensor x = torch::ones({1});
+  run_forward(*sink, x);
+  CHECK(saw_none);
+  CHECK(sink->received.is_same(x));
+}
+
+TEST_CASE("run_forward_ivalues runs the hooks around an IValue forward") {
+  Log log;
+  Affine affine(&log);
+  register_forward_pre_hook(*affine, [&](torch::nn::Module&, ForwardArgs& args) {
+    log.push_back("pre");
+    args[0] = args[0].toTensor() + 1;
+  });
+  register_forward_hook(*affine, log_post(log, "post"));
+  c10::IValue out = run_forward_ivalues(*affine, {c10::IValue(torch::zeros({1}))},
+                                        [&](const ForwardArgs& args) {
+                                          return c10::IValue(affine->forward(args[0].toTensor()));
+                                        });
+  CHECK(log == Log{"pre", "forward", "post"});
+  CHECK(torch::equal(out.toTensor(), torch::full({1}, 3.0)));
+}
+
+TEST_CASE("remove_forward_hooks_after removes only later hooks on the given modules") {
+  Affine a;
+  Affine b;
+  auto early = register_forward_pre_hook(*a, [](torch::nn::Module&, ForwardArgs&) {});
+  const auto checkpoint = fsdp::contract::forward_hook_checkpoint();
+  auto late = register_forward_hook(*a, [](torch::nn::Module&, const ForwardArgs&, c10::IValue&) {});
+  auto other = register_forward_pre_hook(*b, [](torch::nn::Module&, ForwardArgs&) {});
+
+  fsdp::contract::remove_forward_hooks_after(checkpoint, {a.get()});
+  CHECK(early.is_registered());
+  CHECK_FALSE(late.is_registered());
+  CHECK(other.is_registered());
+}
+
+TEST_CASE("threads with their own modules register hooks and run forward concurrently") {
+  // Ranks-as-threads tests do this. Catch2 is not thread-safe: assert on the main thread.
+  constexpr int kThreads = 4;
+  constexpr int kCalls = 200;
+  std::vector<int> pre_calls(kThreads, 0);
+  std::vector<int> correct_outputs(kThreads, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([t, &pre_calls, &correct_outputs] {
+      Affine affine;
+      for (int i = 0; i < kCalls; ++i) {
+        RemovableHandle handle = register_forward_pre_hook(
+            *affine, [&pre_calls, t](torch::nn::Module&, ForwardArgs&) { ++pre_calls[t]; });
+        torch::Tensor y = run_forward(*affine, torch::full({1}, static_cast<double>(i)));
+        correct_outputs[t] += y.item<double>() == 2.0 * i + 1 ? 1 : 0;
+        handle.remove();
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  for (int t = 0; t < kThreads; ++t) {
+    CHECK(pre_calls[t] == kCalls);
+    CHECK(correct_outputs[t] == kCalls);
+  }
+}

@@ -1,0 +1,273 @@
+#include "contract/module_state.h"
+
+#include <functional>
+#include <string>
+#include <thread>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+
+// Catch2 last: c10/util/Logging.h defines a CHECK macro of its own, and the last definition wins.
+#include <catch2/catch.hpp>
+
+namespace {
+
+using fsdp::contract::ApiState;
+using fsdp::contract::ModuleStateRegistry;
+
+struct CountingState : ApiState {
+  explicit CountingState(int* destroyed) : destroyed_(destroyed) {}
+  ~CountingState() override { ++*destroyed_; }
+  int* destroyed_;
+};
+
+struct OtherState : ApiState {};
+
+struct BlockImpl : torch::nn::Module {
+  BlockImpl() { fc = register_module("fc", torch::nn::Linear(2, 2)); }
+  torch::nn::Linear fc = nullptr;
+};
+TORCH_MODULE(Block);
+
+struct ModelImpl : torch::nn::Module {
+  ModelImpl() {
+    block0 = register_module("block0", Block());
+    block1 = register_module("block1", Block());
+  }
+  Block block0 = nullptr;
+  Block block1 = nullptr;
+};
+TORCH_MODULE(Model);
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& error) {
+    return error.what_without_backtrace();
+  }
+  return "<no error>";
+}
+
+}  // namespace
+
+TEST_CASE("insert records a state that get returns, per module and per API") {
+  ModuleStateRegistry registry;
+  Model model;
+  auto state = std::make_shared<OtherState>();
+  registry.insert(*model->block0, "fully_shard", state);
+
+  CHECK(registry.get(*model->block0, "fully_shard") == state);
+  CHECK(registry.contains(*model->block0, "fully_shard"));
+  CHECK(registry.get(*model->block0, "replicate") == nullptr);
+  CHECK(registry.get(*model->block1, "fully_shard") == nullptr);
+  CHECK(registry.get(*model, "fully_shard") == nullptr);
+  CHECK(registry.size() == 1);
+}
+
+TEST_CASE("get_as returns the typed state and rejects a state of another class") {
+  ModuleStateRegistry registry;
+  Block block;
+  int destroyed = 0;
+  auto state = std::make_shared<CountingState>(&destroyed);
+  registry.insert(*block, "fully_shard", state);
+
+  CHECK(registry.get_as<CountingState>(*block, "fully_shard") == state);
+  CHECK(registry.get_as<CountingState>(*block, "replicate") == nullptr);
+  const std::string message =
+      error_of([&] { registry.get_as<OtherState>(*block, "fully_shard"); });
+  CHECK_THAT(message, Catch::Contains("CountingState"));
+  CHECK_THAT(message, Catch::Contains("OtherState"));
+  CHECK_THAT(message, Catch::Contains("fully_shard"));
+}
+
+TEST_CASE("applying the same API twice fails naming the API and the module's FQN") {
+  ModuleStateRegistry registry;
+  Model model;
+  auto first = std::make_shared<OtherState>();
+  registry.insert(*model->block1, "fully_shard", first);
+  registry.insert(*model, "fully_shard", std::make_shared<OtherState>());
+
+  const std::string message = error_of(
+      [&] { registry.insert(*model->block1, "fully_shard", std::make_shared<OtherState>()); });
+  CHECK_THAT(message, Catch::StartsWith("fully_shard: module 'block1'"));
+  CHECK_THAT(message, Catch::Contains("already has fully_shard applied"));
+  CHECK(registry.get(*model->block1, "fully_shard") == first);
+
+  const std::string root_message = error_of(
+      [&] { registry.insert(*model, "fully_shard", std::make_shared<OtherState>()); });
+  CHECK_THAT(root_message, Catch::StartsWith("fully_shard: module '<root>'"));
+  CHECK(registry.size() == 2);
+}
+
+TEST_CASE("check_not_applied throws only for an API already applied") {
+  ModuleStateRegistry registry;
+  Block block;
+  CHECK_NOTHROW(registry.check_not_applied(*block, "fully_shard"));
+  registry.insert(*block, "fully_shard", std::make_shared<OtherState>());
+  CHECK_THAT(error_of([&] { registry.check_not_applied(*block, "fully_shard"); }),
+             Catch::Contains("already has fully_shard applied"));
+  CHECK_NOTHROW(registry.check_not_applied(*block, "replicate"));
+}
+
+TEST_CASE("different APIs may share a module") {
+  ModuleStateRegistry registry;
+  Block block;
+  auto replicate = std::make_shared<OtherState>();
+  auto shard = std::make_shared<OtherState>();
+  registry.insert(*block, "replicate", replicate);
+  registry.insert(*block, "fully_shard", shard);
+
+  CHECK(registry.get(*block, "replicate") == replicate);
+  CHECK(registry.get(*block, "fully_shard") == shard);
+  CHECK(registry.apis_of(*block) == std::vector<std::string>{"replicate", "fully_shard"});
+  CHECK(registry.size() == 2);
+}
+
+TEST_CASE("modules_with lists the live modules carrying an API in application order") {
+  ModuleStateRegistry registry;
+  Model model;
+  registry.insert(*model->block1, "fully_shard", std::make_shared<OtherState>());
+  registry.insert(*model->block0, "replicate", std::make_shared<OtherState>());
+  registry.insert(*model->block0, "fully_shard", std::make_shared<OtherState>());
+  registry.insert(*model, "fully_shard", std::make_shared<OtherState>());
+
+  const auto modules = registry.modules_with("fully_shard");
+  REQUIRE(modules.size() == 3);
+  CHECK(modules[0].get() == model->block1.get());
+  CHECK(modules[1].get() == model->block0.get());
+  CHECK(modules[2].get() == model.get());
+  const auto replicated = registry.modules_with("replicate");
+  REQUIRE(replicated.size() == 1);
+  CHECK(replicated[0].get() == model->block0.get());
+  CHECK(registry.modules_with("checkpoint").empty());
+}
+
+TEST_CASE("erase removes one API's state and destroys it") {
+  ModuleStateRegistry registry;
+  Block block;
+  int destroyed = 0;
+  registry.insert(*block, "fully_shard", std::make_shared<CountingState>(&destroyed));
+  registry.insert(*block, "replicate", std::make_shared<OtherState>());
+
+  CHECK(registry.erase(*block, "fully_shard"));
+  CHECK(destroyed == 1);
+  CHECK_FALSE(registry.contains(*block, "fully_shard"));
+  CHECK(registry.contains(*block, "replicate"));
+  CHECK_FALSE(registry.erase(*block, "fully_shard"));
+  // After erase the API may be applied again.
+  CHECK_NOTHROW(registry.insert(*block, "fully_shard", std::make_shared<OtherState>()));
+}
+
+TEST_CASE("the registry holds modules weakly and drops their states at prune") {
+  ModuleStateRegistry registry;
+  int destroyed = 0;
+  Block block;
+  std::weak_ptr<BlockImpl> weak = block.ptr();
+  registry.insert(*block, "fully_shard", std::make_shared<CountingState>(&destroyed));
+
+  block = nullptr;  // the last owner goes away
+  CHECK(weak.expired());
+  CHECK(registry.modules_with("fully_shard").empty());
+  CHECK(registry.size() == 0);
+  CHECK(destroyed == 0);  // released lazily ...
+  CHECK(registry.prune() == 1);
+  CHECK(destroyed == 1);  // ... at prune()
+
+  // A new module (possibly at the same address) never sees the old state.
+  Block fresh;
+  CHECK(registry.get(*fresh, "fully_shard") == nullptr);
+  CHECK_NOTHROW(registry.insert(*fresh, "fully_shard", std::make_shared<OtherState>()));
+}
+
+TEST_CASE("insert rejects a module not owned by a shared_ptr, a null state, an empty API") {
+  ModuleStateRegistry registry;
+  BlockImpl on_stack;
+  CHECK_THAT(error_of([&] {
+               registry.insert(on_stack, "fully_shard", std::make_shared<OtherState>());
+             }),
+             Catch::Contains("is not owned by a std::shared_ptr"));
+  Block block;
+  CHECK_THAT(error_of([&] { registry.insert(*block, "fully_shard", nullptr); }),
+             Catch::Contains("got nullptr"));
+  CHECK_THAT(error_of([&] { registry.insert(*block, "", std::make_shared<OtherState>()); }),
+             Catch::Contains("non-empty API name"));
+  CHECK(registry.size() == 0);
+}
+
+TEST_CASE("rollback erases only the entries inserted after the checkpoint in the given modules") {
+  ModuleStateRegistry registry;
+  Model model;
+  registry.insert(*model->block0, "fully_shard", std::make_shared<OtherState>());
+  const auto checkpoint = registry.checkpoint();
+  registry.insert(*model->block0, "replicate", std::make_shared<OtherState>());
+  registry.insert(*model->block1, "fully_shard", std::make_shared<OtherState>());
+  Block outside;
+  registry.insert(*outside, "fully_shard", std::make_shared<OtherState>());
+
+  registry.rollback(checkpoint, {model.get(), model->block0.get(), model->block1.get()});
+
+  CHECK(registry.contains(*model->block0, "fully_shard"));   // before the checkpoint
+  CHECK_FALSE(registry.contains(*model->block0, "replicate"));
+  CHECK_FALSE(registry.contains(*model->block1, "fully_shard"));
+  CHECK(registry.contains(*outside, "fully_shard"));        // not in the given modules
+}
+
+TEST_CASE("describe names the FQN relative to the outermost module that carries an API") {
+  ModuleStateRegistry registry;
+  Model model;
+  CHECK_THAT(registry.describe(*model->block1->fc), Catch::StartsWith("'<root>' ("));
+  registry.insert(*model->block1, "fully_shard", std::make_shared<OtherState>());
+  CHECK_THAT(registry.describe(*model->block1->fc), Catch::StartsWith("'fc' ("));
+  registry.insert(*model, "fully_shard", std::make_shared<OtherState>());
+  CHECK_THAT(registry.describe(*model->block1->fc), Catch::StartsWith("'block1.fc' ("));
+  CHECK_THAT(registry.describe(*model->block1->fc), Catch::Contains("LinearImpl"));
+}
+
+TEST_CASE("a state's destructor may use the registry (states die outside its lock)") {
+  ModuleStateRegistry registry;
+  Block block;
+  bool saw_itself_gone = false;
+  struct ReentrantState : ApiState {
+    ReentrantState(ModuleStateRegistry* registry, torch::nn::Module* module, bool* flag)
+        : registry_(registry), module_(module), flag_(flag) {}
+    ~ReentrantState() override { *flag_ = !registry_->contains(*module_, "fully_shard"); }
+    ModuleStateRegistry* registry_;
+    torch::nn::Module* module_;
+    bool* flag_;
+  };
+  registry.insert(*block, "fully_shard",
+                  std::make_shared<ReentrantState>(&registry, block.get(), &saw_itself_gone));
+  CHECK(registry.erase(*block, "fully_shard"));
+  CHECK(saw_itself_gone);
+}
+
+TEST_CASE("the global registry is one process-wide instance") {
+  CHECK(&ModuleStateRegistry::global() == &ModuleStateRegistry::global());
+}
+
+TEST_CASE("threads apply state to their own modules concurrently") {
+  // Catch2 is not thread-safe: collect in the threads, assert on the main thread.
+  constexpr int kThreads = 4;
+  constexpr int kModules = 50;
+  ModuleStateRegistry registry;
+  std::vector<std::vector<Block>> blocks(kThreads);
+  std::vector<int> found(kThreads, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([t, &registry, &blocks, &found] {
+      for (int i = 0; i < kModules; ++i) {
+        blocks[t].push_back(Block());
+        registry.insert(*blocks[t].back(), "fully_shard", std::make_shared<OtherState>());
+      }
+      for (const Block& block : blocks[t]) {
+        found[t] += registry.contains(*block, "fully_shard") ? 1 : 0;
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  for (int t = 0; t < kThreads; ++t) {
+    CHECK(found[t] == kModules);
+  }
+  CHECK(registry.size() == static_cast<size_t>(kThreads * kModules));
+  CHECK(registry.modules_with("fully_shard").size() == static_cast<size_t>(kThreads * kModules));
+}
