@@ -14,11 +14,11 @@ def fsdp_cc_binary(name, copts = [], **kwargs):
     native.cc_binary(name = name, copts = FSDP_COPTS + copts, **kwargs)
 
 def fsdp_cc_test(name, copts = [], deps = [], size = "small", **kwargs):
-    """A single-process test with Catch2's own main()."""
+    """A single-process Catch2 test (main in tests/testing/catch_main.cc: JUnit report for Bazel)."""
     native.cc_test(
         name = name,
         size = size,
         copts = FSDP_COPTS + copts,
-        deps = deps + ["//third_party/catch2:catch2_main"],
+        deps = deps + ["//tests/testing:catch_main", "//third_party/catch2"],
         **kwargs
     )
