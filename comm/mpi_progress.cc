@@ -91,15 +91,21 @@ class ProgressEngine {
   // Returns whether any collective completed.
   static bool poll(std::vector<InFlight>& in_flight) {
     std::vector<size_t> done;
+    std::vector<int> errors;  // per entry of `done`
     {
       std::lock_guard<std::mutex> guard(mpi_lock());
       for (size_t i = 0; i < in_flight.size(); ++i) {
         int flag = 0;
-        const int rc = MPI_Test(&in_flight[i].request, &flag, MPI_STATUS_IGNORE);
+        MPI_Status status;
+        status.MPI_ERROR = MPI_SUCCESS;
+        const int rc = MPI_Test(&in_flight[i].request, &flag, &status);
         if (rc != MPI_SUCCESS) {
           abort_job("collective " + in_flight[i].op.description + " failed in MPI: " + error_string(rc));
         }
-        if (flag) done.push_back(i);
+        if (flag) {
+          done.push_back(i);
+          errors.push_back(status.MPI_ERROR);
+        }
       }
     }
     const auto now = Clock::now();
@@ -111,11 +117,15 @@ class ProgressEngine {
                   "order: a rank that skipped this one, or is stuck before it, causes this.");
       }
     }
-    for (auto it = done.rbegin(); it != done.rend(); ++it) {
-      InFlight entry = std::move(in_flight[*it]);
-      in_flight.erase(in_flight.begin() + static_cast<std::ptrdiff_t>(*it));
+    for (size_t k = done.size(); k-- > 0;) {
+      InFlight entry = std::move(in_flight[done[k]]);
+      in_flight.erase(in_flight.begin() + static_cast<std::ptrdiff_t>(done[k]));
       std::exception_ptr error;
       try {
+        // A mismatched collective (ranks calling different ones at the same step) ends here.
+        TORCH_CHECK(errors[k] == MPI_SUCCESS, "MPI backend ", entry.op.description,
+                    " failed: ", error_string(errors[k]),
+                    ". Every rank must call the same collectives in the same order.");
         if (entry.op.after) entry.op.after();
       } catch (...) {
         error = std::current_exception();

@@ -29,7 +29,8 @@ using fsdp::testing::world_size;
 // One model instance and how to run and shard it.
 struct Instance {
   std::shared_ptr<torch::nn::Module> module;
-  std::function<torch::Tensor(torch::Tensor)> forward;
+  // Forward on rank q's batch (a model may behave differently per rank).
+  std::function<torch::Tensor(torch::Tensor, int)> forward;
   // Applies fully_shard bottom-up; returns the units, the root last.
   std::function<std::vector<fsdp::FSDPModule>(const fsdp::FullyShardOptions&)> shard;
 };
@@ -72,11 +73,13 @@ std::vector<std::string> keys_of(const torch::nn::Module& m) {
   return keys;
 }
 
-void run_parity(const Scenario& scenario, Optim optim, bool set_to_none, int iterations = 4) {
+// `micro_batches` backward passes accumulate into the gradients before each optimizer step.
+void run_parity(const Scenario& scenario, Optim optim, bool set_to_none, int micro_batches = 1,
+                int iterations = 4) {
   const int W = world_size();
   const bool exact = W == 1;
   INFO(scenario.name << ", optimizer " << static_cast<int>(optim) << ", set_to_none " << set_to_none
-                     << ", " << W << " ranks");
+                     << ", " << micro_batches << " micro-batch(es), " << W << " ranks");
   torch::manual_seed(1234);
   Instance sharded = scenario.make();
   torch::manual_seed(1234);
@@ -102,8 +105,9 @@ void run_parity(const Scenario& scenario, Optim optim, bool set_to_none, int ite
   for (size_t u = 0; u < units.size(); ++u) {
     const bool is_root = u + 1 == units.size();
     for (const auto& h : units[u].handles()) {
-      expected_all_gathers += is_root ? 1 : 2;  // forward, and again in backward unless root
-      expected_reduce_scatters += h->requires_grad() ? 1 : 0;
+      // Per backward pass: forward, and again in backward unless root.
+      expected_all_gathers += micro_batches * (is_root ? 1 : 2);
+      expected_reduce_scatters += micro_batches * (h->requires_grad() ? 1 : 0);
     }
   }
 
@@ -111,19 +115,27 @@ void run_parity(const Scenario& scenario, Optim optim, bool set_to_none, int ite
   for (int64_t it = 0; it < iterations; ++it) {
     const auto ag_before = comm->stats(CollectiveKind::kAllGather).calls;
     const auto rs_before = comm->stats(CollectiveKind::kReduceScatter).calls;
-    at::Tensor x = batch(it, rank(), rows, scenario.in_dim, 1);
-    at::Tensor y = batch(it, rank(), rows, scenario.out_dim, 2);
-    at::Tensor loss = torch::nn::functional::mse_loss(sharded.forward(x), y);
-    loss.backward();
+    at::Tensor loss;
+    for (int m = 0; m < micro_batches; ++m) {
+      const int64_t step = it * micro_batches + m;
+      at::Tensor x = batch(step, rank(), rows, scenario.in_dim, 1);
+      at::Tensor y = batch(step, rank(), rows, scenario.out_dim, 2);
+      loss = torch::nn::functional::mse_loss(sharded.forward(x, rank()), y);
+      loss.backward();
+    }
     opt->step();
     opt->zero_grad(set_to_none);
 
     at::Tensor ref_loss;
-    for (int q = 0; q < W; ++q) {
-      at::Tensor lq = torch::nn::functional::mse_loss(
-          reference.forward(batch(it, q, rows, scenario.in_dim, 1)), batch(it, q, rows, scenario.out_dim, 2));
-      (lq / W).backward();
-      if (q == rank()) ref_loss = lq.detach();
+    for (int m = 0; m < micro_batches; ++m) {
+      const int64_t step = it * micro_batches + m;
+      for (int q = 0; q < W; ++q) {
+        at::Tensor lq = torch::nn::functional::mse_loss(
+            reference.forward(batch(step, q, rows, scenario.in_dim, 1), q),
+            batch(step, q, rows, scenario.out_dim, 2));
+        (lq / W).backward();
+        if (q == rank()) ref_loss = lq.detach();
+      }
     }
     ref_opt->step();
     ref_opt->zero_grad(set_to_none);
@@ -156,7 +168,7 @@ Scenario mlp_stack() {
             auto model = fsdp::testing::MlpStack(6, 8, 16, 3, 3);
             Instance inst;
             inst.module = model.ptr();
-            inst.forward = [model](torch::Tensor x) mutable { return model(x); };
+            inst.forward = [model](torch::Tensor x, int) mutable { return model(x); };
             inst.shard = [model](const fsdp::FullyShardOptions& o) {
               std::vector<fsdp::FSDPModule> units;
               for (size_t i = 0; i < model->blocks->size(); ++i) units.push_back(fsdp::fully_shard(model->block(i), o));
@@ -172,7 +184,7 @@ Scenario nested() {
             auto model = fsdp::testing::make_nested_sequential();
             Instance inst;
             inst.module = model.ptr();
-            inst.forward = [model](torch::Tensor x) mutable { return model(x); };
+            inst.forward = [model](torch::Tensor x, int) mutable { return model(x); };
             inst.shard = [model](const fsdp::FullyShardOptions& o) {
               auto inner = (*model)[1].as<fsdp::contract::Sequential>();
               std::vector<fsdp::FSDPModule> units;
@@ -191,10 +203,28 @@ Scenario tiny() {
             auto model = fsdp::testing::Tiny();
             Instance inst;
             inst.module = model.ptr();
-            inst.forward = [model](torch::Tensor x) mutable { return model(x); };
+            inst.forward = [model](torch::Tensor x, int) mutable { return model(x); };
             inst.shard = [model](const fsdp::FullyShardOptions& o) {
               std::vector<fsdp::FSDPModule> units;
               units.push_back(fsdp::fully_shard(model->b, o));
+              units.push_back(fsdp::fully_shard(model, o));
+              return units;
+            };
+            return inst;
+          }};
+}
+
+// A unit whose parameters rank 0 does not use (its output still flows into the loss): on rank 0
+// they get no gradient, and the unit must still take part in the reduce-scatter (with zeros).
+Scenario unused_on_rank_0() {
+  return {"a unit whose parameters rank 0 does not use", 4, 4, [] {
+            auto model = fsdp::testing::Branch(4);
+            Instance inst;
+            inst.module = model.ptr();
+            inst.forward = [model](torch::Tensor x, int q) mutable { return model(x, q != 0); };
+            inst.shard = [model](const fsdp::FullyShardOptions& o) {
+              std::vector<fsdp::FSDPModule> units;
+              units.push_back(fsdp::fully_shard(model->gate, o));
               units.push_back(fsdp::fully_shard(model, o));
               return units;
             };
@@ -224,4 +254,14 @@ FSDP_RANKS_TEST_CASE("parity: nested units with SGD and AdamW", "[fully_shard][p
 FSDP_RANKS_TEST_CASE("parity: parameters smaller than the world size", "[fully_shard][parity]") {
   run_parity(tiny(), Optim::kAdam, /*set_to_none=*/false);
   run_parity(tiny(), Optim::kSgdMomentum, /*set_to_none=*/true);
+}
+
+FSDP_RANKS_TEST_CASE("parity: gradients accumulate over two backward passes per step", "[fully_shard][parity]") {
+  run_parity(mlp_stack(), Optim::kSgdMomentum, /*set_to_none=*/false, /*micro_batches=*/2);
+  run_parity(nested(), Optim::kAdam, /*set_to_none=*/true, /*micro_batches=*/2);
+}
+
+FSDP_RANKS_TEST_CASE("parity: a unit that got no gradient on one rank still joins the reduce-scatter",
+                     "[fully_shard][parity]") {
+  run_parity(unused_on_rank_0(), Optim::kSgdMomentum, /*set_to_none=*/false);
 }

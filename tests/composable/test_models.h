@@ -60,4 +60,27 @@ struct TinyImpl : torch::nn::Module {
 };
 FSDP_HOOKABLE_MODULE(Tiny);
 
+/// fc(x) when `use_fc`, else x * 2: with `use_fc` false its parameters get no gradient although
+/// its output does.
+struct GateImpl : torch::nn::Module {
+  explicit GateImpl(int64_t dim) { fc = register_module("fc", contract::Linear(dim, dim)); }
+  torch::Tensor forward(torch::Tensor x, bool use_fc) { return use_fc ? fc(x) : x * 2; }
+  contract::Linear fc{nullptr};
+};
+FSDP_HOOKABLE_MODULE(Gate);
+
+/// v(gate(w(x), use_gate_fc))
+struct BranchImpl : torch::nn::Module {
+  explicit BranchImpl(int64_t dim) {
+    w = register_module("w", contract::Linear(dim, dim));
+    gate = register_module("gate", Gate(dim));
+    v = register_module("v", contract::Linear(dim, dim));
+  }
+  torch::Tensor forward(torch::Tensor x, bool use_gate_fc) { return v(gate(w(x), use_gate_fc)); }
+  contract::Linear w{nullptr};
+  Gate gate{nullptr};
+  contract::Linear v{nullptr};
+};
+FSDP_HOOKABLE_MODULE(Branch);
+
 }  // namespace fsdp::testing
