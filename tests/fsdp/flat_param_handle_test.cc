@@ -172,3 +172,36 @@ TEST_CASE("data replaced while sharded is written back; a wrong shape is a clear
   });
   require_none(f);
 }
+
+TEST_CASE("gradients replaced while sharded are written back before the next backward",
+          "[fsdp][handle]") {
+  Failures f;
+  fsdp::testing::run_ranks_as_threads(2, [&](fsdp::comm::Communicator& comm) {
+    auto shared = std::shared_ptr<fsdp::comm::Communicator>(&comm, [](auto*) {});
+    auto params = make_params();
+    FlatParamHandle handle(params, shared, "unit");
+    // The user sets 1.weight's sharded gradient to 5 on every rank (e.g. a gradient hook).
+    params[1].param.mutable_grad() = at::full({params[1].param.numel()}, 5.0);
+    handle.unshard();
+    handle.prepare_gradients_for_backward();
+    for (auto& p : params) p.param.mutable_grad() = at::ones(p.param.sizes());
+    handle.reshard();
+    handle.reduce_gradients();
+    handle.finalize_gradients();
+    const at::Tensor& g1 = params[1].param.grad();
+    f.check(g1.numel() == 0 || g1.eq(6.0).all().item<bool>(), "5 written back, plus 1", comm.rank(), 2);
+    const at::Tensor& g0 = params[0].param.grad();
+    f.check(g0.numel() == 0 || g0.eq(1.0).all().item<bool>(), "no earlier gradient", comm.rank(), 2);
+    // A gradient of the wrong shape is a clear error.
+    params[2].param.mutable_grad() = at::zeros({5, 5});
+    try {
+      handle.prepare_gradients_for_backward();
+      f.check(params[2].param.numel() == 25, "expected an error", comm.rank(), 2);
+    } catch (const c10::Error& e) {
+      const std::string what = e.what();
+      f.check(what.find("the gradient of '2.weight' in unit 'unit' has shape [5, 5]") != std::string::npos,
+              "message: " + what.substr(0, 160), comm.rank(), 2);
+    }
+  });
+  require_none(f);
+}
