@@ -1,8 +1,8 @@
 #include "composable/fully_shard.h"
 
-#include <map>
 #include <unordered_set>
 
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
@@ -15,15 +15,15 @@
 namespace fsdp {
 namespace {
 
-// Parameters of `module`'s tree that units below it already manage (applied bottom-up).
-std::unordered_set<const void*> params_of_units_below(torch::nn::Module& module) {
+// Parameters of the trees of `modules` that units below them already manage (applied bottom-up).
+std::unordered_set<const void*> params_of_units_below(const std::vector<torch::nn::Module*>& modules) {
   auto& registry = contract::ModuleStateRegistry::global();
   std::unordered_set<const void*> owned;
-  for (const auto& item : module.named_modules("", /*include_self=*/false)) {
-    auto state = registry.get_as<FSDPState>(*item.value(), kFullyShardApi);
-    if (!state) continue;
-    for (const auto& handle : state->handles()) {
-      for (const auto& p : handle->params()) owned.insert(p.param.unsafeGetTensorImpl());
+  for (torch::nn::Module* module : modules) {
+    for (const auto& item : module->named_modules("", /*include_self=*/false)) {
+      auto state = registry.get_as<FSDPState>(*item.value(), kFullyShardApi);
+      if (!state) continue;
+      for (const auto& p : state->params()) owned.insert(p.param.unsafeGetTensorImpl());
     }
   }
   return owned;
@@ -40,56 +40,133 @@ void check_no_unit_above(torch::nn::Module& module) {
   }
 }
 
+// Rank 0's values everywhere: one broadcast per dtype over the flattened tensors.
+void broadcast_from_rank0(const std::vector<at::Tensor>& tensors, comm::Communicator& comm) {
+  std::vector<c10::ScalarType> dtypes;
+  for (const auto& t : tensors) {
+    if (std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) == dtypes.end()) dtypes.push_back(t.scalar_type());
+  }
+  c10::NoGradGuard no_grad;
+  for (auto dtype : dtypes) {
+    std::vector<at::Tensor> group;
+    for (const auto& t : tensors) {
+      if (t.scalar_type() == dtype) group.push_back(t.detach().reshape({-1}).to(comm.device()));
+    }
+    at::Tensor flat = at::cat(group);
+    comm.broadcast(flat, 0, "sync_module_states").wait();
+    int64_t offset = 0;
+    for (const auto& t : tensors) {
+      if (t.scalar_type() != dtype) continue;
+      t.detach().copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  }
+}
+
 }  // namespace
 
-FSDPModule fully_shard(torch::nn::Module& module, const FullyShardOptions& options) {
+FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const FullyShardOptions& options) {
+  TORCH_CHECK(!modules.empty(), "fully_shard: expected at least one module, got none");
   auto& registry = contract::ModuleStateRegistry::global();
-  registry.check_not_applied(module, kFullyShardApi);
-  check_no_unit_above(module);
+  for (size_t i = 0; i < modules.size(); ++i) {
+    TORCH_CHECK(modules[i] != nullptr, "fully_shard: module ", i, " of the unit is null");
+    registry.check_not_applied(*modules[i], kFullyShardApi);
+    check_no_unit_above(*modules[i]);
+    for (size_t j = 0; j < modules.size(); ++j) {
+      TORCH_CHECK(i == j || !contract::find_module_fqn(*modules[j], *modules[i]).has_value(),
+                  "fully_shard: the modules of one unit must be siblings, but ",
+                  registry.describe(*modules[i]), " is inside ", registry.describe(*modules[j]));
+    }
+  }
   std::shared_ptr<comm::Communicator> comm = options.communicator();
   if (!comm) comm = comm::default_process_group().comm;
-  const std::string fqn = registry.describe(module);
+  std::string fqn;
+  for (auto* m : modules) fqn += (fqn.empty() ? "" : " + ") + registry.describe(*m);
 
-  // Rule 1: every parameter of the tree not already in a unit below, in named_parameters order,
-  // once per tensor (a tied parameter's first FQN owns it); one FlatParameter per dtype.
-  const auto owned = params_of_units_below(module);
+  // Rule 1: every parameter of the trees not already in a unit below, in named_parameters order
+  // (module by module), once per tensor (a tied parameter's first FQN owns it).
+  const auto owned = params_of_units_below(modules);
   std::unordered_set<const void*> seen;
-  std::vector<c10::ScalarType> dtype_order;
-  std::map<c10::ScalarType, std::vector<FlatParamHandle::OrigParam>> by_dtype;
-  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
-    const at::Tensor& p = item.value();
-    const void* impl = p.unsafeGetTensorImpl();
-    if (owned.count(impl) || !seen.insert(impl).second) continue;
-    TORCH_CHECK(p.device().type() == comm->device().type(), "fully_shard: module ", fqn,
-                " has parameter '", item.key(), "' on ", p.device(),
-                " but the communicator works on ", comm->device(),
-                "; move the module to that device type first");
-    TORCH_CHECK(at::isFloatingType(p.scalar_type()), "fully_shard: module ", fqn,
-                " has parameter '", item.key(), "' of dtype ", p.scalar_type(),
-                "; only floating-point parameters can be sharded");
-    if (!by_dtype.count(p.scalar_type())) dtype_order.push_back(p.scalar_type());
-    by_dtype[p.scalar_type()].push_back({item.key(), p});
+  std::vector<FlatParamHandle::OrigParam> params;
+  std::vector<at::Tensor> buffers;
+  const at::Device target = options.device().value_or(comm->device());
+  for (size_t i = 0; i < modules.size(); ++i) {
+    const std::string prefix = modules.size() > 1 ? std::to_string(i) + ":" : "";
+    for (const auto& item : modules[i]->named_parameters(/*recurse=*/true)) {
+      const at::Tensor& p = item.value();
+      const void* impl = p.unsafeGetTensorImpl();
+      if (owned.count(impl) || !seen.insert(impl).second) continue;
+      TORCH_CHECK(at::isFloatingType(p.scalar_type()), "fully_shard: module ", fqn,
+                  " has parameter '", item.key(), "' of dtype ", p.scalar_type(),
+                  "; only floating-point parameters can be sharded");
+      TORCH_CHECK(p.device().type() == target.type() || p.device().is_cpu(), "fully_shard: module ",
+                  fqn, " has parameter '", item.key(), "' on ", p.device(), " but its shards go to ",
+                  target, "; build the model on the CPU or on ", target.type());
+      params.push_back({prefix + item.key(), p});
+    }
+    for (const auto& b : modules[i]->buffers(/*recurse=*/true)) buffers.push_back(b);
   }
+  TORCH_CHECK(target.type() == comm->device().type(), "fully_shard: module ", fqn,
+              " would keep its shards on ", target, " but the communicator works on ", comm->device());
 
   FSDPConfig config;
   config.comm = comm;
-  config.reshard_after_forward = options.reshard_after_forward();
-  auto state = contract::apply_api(kFullyShardApi, module, [&](torch::nn::Module& m) {
-    std::vector<std::unique_ptr<FlatParamHandle>> handles;
-    for (auto dtype : dtype_order) {
-      handles.push_back(std::make_unique<FlatParamHandle>(by_dtype[dtype], comm, fqn));
-    }
-    auto unit = std::make_shared<FSDPState>(m, fqn, config, std::move(handles));
-    FSDPState* raw = unit.get();  // owned by the registry for the module's lifetime
-    contract::register_forward_pre_hook(
-        m, [raw](torch::nn::Module&, contract::ForwardArgs& args) { runtime::pre_forward(*raw, args); });
-    contract::register_forward_hook(
-        m, [raw](torch::nn::Module&, const contract::ForwardArgs&, c10::IValue& output) {
-          runtime::post_forward(*raw, output);
-        });
-    return unit;
-  });
+  config.handle.shard = options.strategy() != ShardingStrategy::kNoShard;
+  config.handle.device = target;
+  config.reshard_after_forward = options.strategy() == ShardingStrategy::kFullShard;
+
+  if (options.sync_module_states()) {
+    std::vector<at::Tensor> tensors;
+    for (const auto& p : params) tensors.push_back(p.param);
+    tensors.insert(tensors.end(), buffers.begin(), buffers.end());
+    broadcast_from_rank0(tensors, *comm);
+  }
+  if (!buffers.empty() && buffers.front().device() != target) {
+    c10::NoGradGuard no_grad;
+    for (auto& b : buffers) b.set_data(b.to(target));
+  }
+
+  std::shared_ptr<FSDPState> state;
+  for (torch::nn::Module* module : modules) {
+    state = contract::apply_api(kFullyShardApi, *module, [&](torch::nn::Module& m) {
+      if (!state) {
+        state = std::make_shared<FSDPState>(modules, fqn, config, FSDPState::make_handles(params, config, fqn));
+      }
+      FSDPState* raw = state.get();  // owned by the registry for the modules' lifetime
+      contract::register_forward_pre_hook(
+          m, [raw](torch::nn::Module&, contract::ForwardArgs& args) { runtime::pre_forward(*raw, args); });
+      contract::register_forward_hook(
+          m, [raw](torch::nn::Module&, const contract::ForwardArgs&, c10::IValue& output) {
+            runtime::post_forward(*raw, output);
+          });
+      return state;
+    });
+  }
   return FSDPModule(std::move(state));
+}
+
+FSDPModule fully_shard(torch::nn::Module& module, const FullyShardOptions& options) {
+  return fully_shard(std::vector<torch::nn::Module*>{&module}, options);
+}
+
+void FSDPModule::set_requires_gradient_sync(bool sync, bool recurse) {
+  for_each_unit(recurse, [sync](FSDPState& unit) { unit.requires_gradient_sync = sync; });
+}
+
+void FSDPModule::set_reshard_after_backward(bool reshard, bool recurse) {
+  for_each_unit(recurse, [reshard](FSDPState& unit) { unit.reshard_after_backward = reshard; });
+}
+
+void FSDPModule::for_each_unit(bool recurse, const std::function<void(FSDPState&)>& fn) const {
+  fn(*state_);
+  if (!recurse) return;
+  auto& registry = contract::ModuleStateRegistry::global();
+  for (torch::nn::Module* module : state_->modules()) {
+    for (const auto& item : module->named_modules("", /*include_self=*/false)) {
+      auto unit = registry.get_as<FSDPState>(*item.value(), kFullyShardApi);
+      if (unit && unit != state_) fn(*unit);
+    }
+  }
 }
 
 std::optional<FSDPModule> fsdp_module_of(const torch::nn::Module& module) {

@@ -18,6 +18,7 @@
 // holders (FSDP_HOOKABLE_MODULE, fsdp::contract::Linear, Sequential, ...): `module->forward(x)`
 // bypasses the hooks and is unsupported (the first iteration detects it and fails).
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -30,6 +31,16 @@
 
 namespace fsdp {
 
+/// How a unit keeps its parameters (FSDP1's sharding strategies).
+enum class ShardingStrategy {
+  /// Sharded; unsharded for forward, freed, all-gathered again for backward (ZeRO-3).
+  kFullShard,
+  /// Sharded; unsharded from forward to the end of backward: no backward all-gather.
+  kShardGradOp,
+  /// Replicated on every rank; gradients all-reduced (DDP semantics), no all-gathers.
+  kNoShard,
+};
+
 /// Options of fully_shard, in the LibTorch style:
 ///
 ///   fsdp::fully_shard(*block, fsdp::FullyShardOptions().reshard_after_forward(false));
@@ -37,9 +48,22 @@ struct FullyShardOptions {
   /// The ranks to shard across. Default: fsdp::comm::default_process_group() (call
   /// fsdp::comm::init_process_group() first).
   TORCH_ARG(std::shared_ptr<comm::Communicator>, communicator) = nullptr;
-  /// true (FULL_SHARD): free the unsharded parameters after forward and all-gather them again for
-  /// backward. The root unit always keeps them from forward to backward.
-  TORCH_ARG(bool, reshard_after_forward) = true;
+  /// FULL_SHARD by default. The root unit always keeps its parameters from forward to backward.
+  TORCH_ARG(ShardingStrategy, strategy) = ShardingStrategy::kFullShard;
+  /// Broadcast rank 0's parameters and buffers before sharding, so that ranks which initialised
+  /// differently start equal.
+  TORCH_ARG(bool, sync_module_states) = false;
+  /// The device the shards (and the module's buffers) live on, e.g. cuda:LOCAL_RANK for a model
+  /// built on the CPU: only the shards move. Default: where the parameters are.
+  TORCH_ARG(std::optional<at::Device>, device) = std::nullopt;
+
+ public:
+  /// Shorthand for the strategy: true = kFullShard, false = kShardGradOp (FSDP2's option).
+  FullyShardOptions& reshard_after_forward(bool value) {
+    strategy_ = value ? ShardingStrategy::kFullShard : ShardingStrategy::kShardGradOp;
+    return *this;
+  }
+  bool reshard_after_forward() const { return strategy_ == ShardingStrategy::kFullShard; }
 };
 
 /// What fully_shard returns: the unit, with on-demand unshard/reshard.
@@ -52,11 +76,26 @@ class FSDPModule {
   /// Frees the unsharded parameters: they become views of this rank's shard again.
   void reshard() { state_->reshard(); }
 
+  /// Gradient accumulation (FSDP2's set_requires_gradient_sync): with `sync` false, backward keeps
+  /// accumulating unsharded gradients and issues no reduce-scatter; the next backward with sync
+  /// reduces the sum, so micro-batches give the gradients of one large batch. `recurse`: also the
+  /// units inside this one.
+  ///
+  ///   model_unit.set_requires_gradient_sync(false);
+  ///   for (auto& mb : micro_batches_but_last) model(mb).sum().backward();
+  ///   model_unit.set_requires_gradient_sync(true);
+  ///   model(last).sum().backward();   // reduce-scatters the accumulated gradients
+  void set_requires_gradient_sync(bool sync, bool recurse = true);
+  /// Whether backward reshards the units (false keeps them unsharded for the next forward while
+  /// gradients accumulate without sync; a backward with sync always reshards).
+  void set_reshard_after_backward(bool reshard, bool recurse = true);
+
   torch::nn::Module& module() const { return state_->module(); }
   FSDPState& state() const { return *state_; }
   const std::vector<std::unique_ptr<FlatParamHandle>>& handles() const { return state_->handles(); }
 
  private:
+  void for_each_unit(bool recurse, const std::function<void(FSDPState&)>& fn) const;
   std::shared_ptr<FSDPState> state_;
 };
 
@@ -64,6 +103,13 @@ class FSDPModule {
 /// top-down, parameters on another device than the communicator's) name the module's FQN and
 /// leave the model as it was.
 FSDPModule fully_shard(torch::nn::Module& module, const FullyShardOptions& options = {});
+
+/// One unit over several sibling modules (the seed note's units spanning siblings): unsharded
+/// before the first of them runs, resharded after the last of them ran.
+///
+///   fsdp::fully_shard({model->attn.ptr().get(), model->mlp.ptr().get()}, opts);
+FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules,
+                       const FullyShardOptions& options = {});
 
 template <typename Contained>
 FSDPModule fully_shard(const torch::nn::ModuleHolder<Contained>& module,

@@ -16,75 +16,100 @@ std::vector<FlatParamInput> layout_inputs(const std::vector<FlatParamHandle::Ori
   return inputs;
 }
 
-bool is_view_at(const at::Tensor& t, const at::Tensor& base, int64_t offset, int64_t numel) {
-  if (!t.defined() || t.numel() != numel) return false;
-  if (numel == 0) return true;
+// Whether `t` is the contiguous tensor of `shape` at element `offset` of `base`'s storage.
+bool is_view_at(const at::Tensor& t, const at::Tensor& base, int64_t offset,
+                const std::vector<int64_t>& shape) {
+  if (!t.defined() || t.sizes() != at::IntArrayRef(shape)) return false;
+  if (t.numel() == 0) return true;
   return t.is_contiguous() && t.data_ptr() == static_cast<char*>(base.data_ptr()) +
                                                   offset * static_cast<int64_t>(base.element_size());
 }
 
-// A 1-D tensor over elements [offset, offset + size) of `flat`'s storage that autograd does not
-// track as a view: optimizers call `grad.detach_()` in zero_grad, which views refuse.
-at::Tensor storage_slice(const at::Tensor& flat, int64_t offset, int64_t size) {
+// A tensor of `shape` over elements from `offset` of `flat`'s storage that autograd does not track
+// as a view: optimizers call `grad.detach_()` in zero_grad, which views refuse.
+at::Tensor storage_slice(const at::Tensor& flat, int64_t offset, const std::vector<int64_t>& shape) {
   at::Tensor slice = at::empty({0}, flat.options());
-  slice.set_(flat.storage(), flat.storage_offset() + offset, {size}, {1});
+  std::vector<int64_t> strides(shape.size(), 1);
+  for (int64_t d = static_cast<int64_t>(shape.size()) - 2; d >= 0; --d) {
+    strides[d] = strides[d + 1] * shape[d + 1];
+  }
+  slice.set_(flat.storage(), flat.storage_offset() + offset, shape, strides);
   return slice;
+}
+
+std::string describe(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
 }
 
 }  // namespace
 
 FlatParamHandle::FlatParamHandle(std::vector<OrigParam> params,
-                                 std::shared_ptr<comm::Communicator> comm, std::string unit_fqn)
-    : unit_fqn_(std::move(unit_fqn)), params_(std::move(params)), comm_(std::move(comm)) {
+                                 std::shared_ptr<comm::Communicator> comm, std::string unit_fqn,
+                                 FlatParamHandleOptions options)
+    : unit_fqn_(std::move(unit_fqn)), params_(std::move(params)), comm_(std::move(comm)),
+      options_(options) {
   TORCH_CHECK(!params_.empty(), "fully_shard: FlatParamHandle of '", unit_fqn_, "' has no parameters");
   TORCH_CHECK(comm_ != nullptr, "fully_shard: FlatParamHandle of '", unit_fqn_, "' has no communicator");
   const auto dtype = params_[0].param.scalar_type();
   const auto device = params_[0].param.device();
+  requires_grad_ = params_[0].param.requires_grad();
   for (const auto& p : params_) {
-    TORCH_CHECK(p.param.scalar_type() == dtype && p.param.device() == device,
-                "fully_shard: one FlatParameter of '", unit_fqn_, "' needs one dtype and device; '",
-                p.fqn, "' is ", p.param.scalar_type(), " on ", p.param.device(), ", '",
-                params_[0].fqn, "' is ", dtype, " on ", device);
-    requires_grad_ |= p.param.requires_grad();
+    TORCH_CHECK(p.param.scalar_type() == dtype && p.param.device() == device &&
+                    p.param.requires_grad() == requires_grad_,
+                "fully_shard: one FlatParameter of '", unit_fqn_,
+                "' needs one dtype, device and requires_grad; '", p.fqn, "' is ",
+                p.param.scalar_type(), " on ", p.param.device(), " (requires_grad ",
+                p.param.requires_grad(), "), '", params_[0].fqn, "' is ", dtype, " on ", device,
+                " (requires_grad ", requires_grad_, ")");
   }
-  layout_ = make_flat_param_layout(layout_inputs(params_), dtype, comm_->size());
-  const auto options = at::TensorOptions().dtype(dtype).device(device);
-  local_shard_ = at::zeros({layout_.shard_numel()}, options);
-  padded_unsharded_ = at::empty({layout_.padded_numel}, options);
+  const int world = options_.shard ? comm_->size() : 1;
+  const int rank = options_.shard ? comm_->rank() : 0;
+  layout_ = make_flat_param_layout(layout_inputs(params_), dtype, world);
+  const auto tensor_options = at::TensorOptions().dtype(dtype).device(options_.device.value_or(device));
+  local_shard_ = at::zeros({layout_.shard_numel()}, tensor_options);
+  padded_unsharded_ = at::empty({options_.shard ? layout_.padded_numel : 0}, tensor_options);
+  std::vector<at::Tensor> full_grads(params_.size());
   for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
-    slices_.push_back(layout_.slice_of(i, comm_->rank()));
+    slices_.push_back(layout_.slice_of(i, rank));
     const auto& s = slices_.back();
+    full_grads[i] = params_[i].param.grad();
     if (s.size() > 0) {
       c10::NoGradGuard no_grad;
       local_shard_.narrow(0, s.shard_offset, s.size())
           .copy_(params_[i].param.detach().reshape({-1}).narrow(0, s.param_begin, s.size()));
     }
+    params_[i].param.mutable_grad() = at::Tensor();
   }
   use_sharded_views();
   resize_storage(padded_unsharded_, 0);
-  // Gradients the parameters already hold (a backward before fully_shard) are sharded too.
+  // Gradients the parameters already held (a backward before fully_shard) are sharded too.
   bool any_grad = false;
-  for (const auto& p : params_) any_grad |= p.param.grad().defined();
-  if (any_grad) {
-    sharded_grad_ = at::zeros({layout_.shard_numel()}, options);
+  for (const auto& g : full_grads) any_grad |= g.defined();
+  if (any_grad && requires_grad_) {
+    sharded_grad_ = at::zeros({layout_.shard_numel()}, tensor_options);
     c10::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) {
-      const at::Tensor& g = params_[i].param.grad();
       const auto& s = slices_[i];
-      if (g.defined() && s.size() > 0) {
+      if (full_grads[i].defined() && s.size() > 0) {
         sharded_grad_.narrow(0, s.shard_offset, s.size())
-            .copy_(g.reshape({-1}).narrow(0, s.param_begin, s.size()));
+            .copy_(full_grads[i].reshape({-1}).narrow(0, s.param_begin, s.size()));
       }
-      params_[i].param.mutable_grad() = at::Tensor();
     }
     set_sharded_grad_views();
   }
 }
 
+std::vector<int64_t> FlatParamHandle::sharded_shape(size_t i) const {
+  if (!options_.shard) return layout_.entries[i].shape;
+  return {slices_[i].size()};
+}
+
 void FlatParamHandle::use_sharded_views() {
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& s = slices_[i];
-    params_[i].param.set_data(local_shard_.narrow(0, s.shard_offset, s.size()));
+    params_[i].param.set_data(local_shard_.narrow(0, s.shard_offset, s.size()).view(sharded_shape(i)));
   }
 }
 
@@ -95,30 +120,54 @@ void FlatParamHandle::use_unsharded_views() {
   }
 }
 
+void FlatParamHandle::check_params_unchanged() const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = params_[i].param;
+    TORCH_CHECK(p.requires_grad() == requires_grad_, "fully_shard: requires_grad of parameter '",
+                params_[i].fqn, "' in unit '", unit_fqn_, "' changed from ", requires_grad_, " to ",
+                p.requires_grad(),
+                " after fully_shard. Set requires_grad before fully_shard: trainable and frozen "
+                "parameters are kept in separate FlatParameters.");
+    if (!unsharded_) continue;
+    const auto& e = layout_.entries[i];
+    TORCH_CHECK(is_view_at(p, padded_unsharded_, e.offset, e.shape), "fully_shard: parameter '",
+                params_[i].fqn, "' of unit '", unit_fqn_,
+                "' was replaced while unsharded (e.g. between forward and backward, which "
+                "SHARD_GRAD_OP keeps it unsharded for); modify parameters in place, outside "
+                "forward and backward");
+  }
+}
+
 void FlatParamHandle::write_back_replaced_data() {
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& s = slices_[i];
     const at::Tensor& p = params_[i].param;
-    if (is_view_at(p, local_shard_, s.shard_offset, s.size())) continue;
-    TORCH_CHECK(p.dim() == 1 && p.numel() == s.size(), "fully_shard: parameter '", params_[i].fqn, "' of unit '",
-                unit_fqn_, "' was replaced while sharded by a tensor of shape ", p.sizes(),
-                "; expected this rank's shard of it, a 1-D tensor of ", s.size(),
-                " elements (modify parameters in place, or replace them with tensors of their "
-                "sharded shape)");
+    const auto shape = sharded_shape(i);
+    if (is_view_at(p, local_shard_, s.shard_offset, shape)) continue;
+    TORCH_CHECK(p.sizes() == at::IntArrayRef(shape), "fully_shard: parameter '", params_[i].fqn,
+                "' of unit '", unit_fqn_, "' was replaced while sharded by a tensor of shape ",
+                p.sizes(), "; expected this rank's shard of it, of shape ", describe(shape),
+                " (modify parameters in place, or replace them with tensors of their sharded "
+                "shape)");
     c10::NoGradGuard no_grad;
     local_shard_.narrow(0, s.shard_offset, s.size()).copy_(p.detach().reshape({-1}));
-    params_[i].param.set_data(local_shard_.narrow(0, s.shard_offset, s.size()));
+    params_[i].param.set_data(local_shard_.narrow(0, s.shard_offset, s.size()).view(shape));
   }
 }
 
 void FlatParamHandle::start_unshard() {
-  if (unsharded_ || pending_unshard_.valid()) return;
+  if (unsharded_ || pending_unshard_.valid() || !options_.shard) return;
   write_back_replaced_data();
   resize_storage(padded_unsharded_, layout_.padded_numel * padded_unsharded_.element_size());
   pending_unshard_ = comm_->all_gather_into_tensor(padded_unsharded_, local_shard_, unit_fqn_);
 }
 
 void FlatParamHandle::unshard() {
+  check_params_unchanged();
+  if (!options_.shard) {
+    write_back_replaced_data();
+    return;
+  }
   if (unsharded_) return;
   start_unshard();
   pending_unshard_.wait();
@@ -140,6 +189,14 @@ void FlatParamHandle::reshard() {
 
 size_t FlatParamHandle::unsharded_bytes() const { return storage_nbytes(padded_unsharded_); }
 
+size_t FlatParamHandle::sharded_grad_bytes() const {
+  return sharded_grad_.defined() ? sharded_grad_.nbytes() : 0;
+}
+
+size_t FlatParamHandle::accumulated_grad_bytes() const {
+  return accumulated_grad_.defined() ? accumulated_grad_.nbytes() : 0;
+}
+
 void FlatParamHandle::prepare_gradients_for_backward() {
   if (grads_prepared_ || !requires_grad_) return;
   grads_prepared_ = true;
@@ -153,35 +210,38 @@ void FlatParamHandle::prepare_gradients_for_backward() {
     }
     any = true;
     all_ours &= sharded_grad_.defined() &&
-                is_view_at(g, sharded_grad_, slices_[i].shard_offset, slices_[i].size());
+                is_view_at(g, sharded_grad_, slices_[i].shard_offset, sharded_shape(i));
   }
-  if (!any) {
-    saved_grad_ = at::Tensor();
-  } else if (all_ours) {
-    saved_grad_ = sharded_grad_;
-  } else {
+  at::Tensor held;
+  if (any && all_ours) {
+    held = sharded_grad_;
+  } else if (any) {
     // Some gradients are missing (zeros) or were replaced by the user (written back).
-    saved_grad_ = at::zeros({layout_.shard_numel()}, local_shard_.options());
+    held = at::zeros({layout_.shard_numel()}, local_shard_.options());
     c10::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) {
       const at::Tensor& g = params_[i].param.grad();
       if (!g.defined()) continue;
       const auto& s = slices_[i];
-      TORCH_CHECK(g.dim() == 1 && g.numel() == s.size(), "fully_shard: the gradient of '", params_[i].fqn,
-                  "' in unit '", unit_fqn_, "' has shape ", g.sizes(),
-                  " while sharded; expected this rank's shard of it, a 1-D tensor of ", s.size(),
-                  " elements");
-      saved_grad_.narrow(0, s.shard_offset, s.size()).copy_(g.reshape({-1}));
+      const auto shape = sharded_shape(i);
+      TORCH_CHECK(g.sizes() == at::IntArrayRef(shape), "fully_shard: the gradient of '",
+                  params_[i].fqn, "' in unit '", unit_fqn_, "' has shape ", g.sizes(),
+                  " while sharded; expected this rank's shard of it, of shape ", describe(shape));
+      held.narrow(0, s.shard_offset, s.size()).copy_(g.reshape({-1}));
     }
   }
+  // A gradient kept by an earlier backward without sync is still set aside: add.
+  if (held.defined()) saved_grad_ = saved_grad_.defined() ? saved_grad_ + held : held;
   for (auto& p : params_) p.param.mutable_grad() = at::Tensor();
   sharded_grad_ = at::Tensor();
 }
 
-void FlatParamHandle::reduce_gradients() {
+void FlatParamHandle::reduce_gradients(bool sync) {
   if (!requires_grad_) return;
-  finalize_gradients();  // one reduce-scatter in flight per handle
-  at::Tensor flat = at::zeros({layout_.padded_numel}, local_shard_.options());
+  finalize_gradients();  // one reduction in flight per handle
+  at::Tensor flat = accumulated_grad_.defined() ? accumulated_grad_
+                                                : at::zeros({layout_.padded_numel}, local_shard_.options());
+  accumulated_grad_ = at::Tensor();
   {
     c10::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -191,14 +251,24 @@ void FlatParamHandle::reduce_gradients() {
       TORCH_CHECK(g.numel() == e.numel, "fully_shard: the gradient of '", params_[i].fqn,
                   "' in unit '", unit_fqn_, "' has ", g.numel(),
                   " elements after backward; expected the full parameter's ", e.numel);
-      flat.narrow(0, e.offset, e.numel).copy_(g.reshape({-1}));
-      g = at::Tensor();  // the unsharded gradient is not kept
+      flat.narrow(0, e.offset, e.numel).add_(g.reshape({-1}));
+      g = at::Tensor();  // the unsharded gradient is not kept on the parameter
     }
   }
+  grads_prepared_ = false;
+  if (!sync) {
+    accumulated_grad_ = flat;
+    return;
+  }
   reduce_input_ = flat;
-  reduce_output_ = at::empty({layout_.shard_numel()}, local_shard_.options());
-  pending_reduce_ = comm_->reduce_scatter_tensor(reduce_output_, reduce_input_,
-                                                 c10d::ReduceOp::SUM, unit_fqn_);
+  if (options_.shard) {
+    reduce_output_ = at::empty({layout_.shard_numel()}, local_shard_.options());
+    pending_reduce_ = comm_->reduce_scatter_tensor(reduce_output_, reduce_input_,
+                                                   c10d::ReduceOp::SUM, unit_fqn_);
+  } else {
+    reduce_output_ = reduce_input_;
+    pending_reduce_ = comm_->all_reduce(reduce_output_, c10d::ReduceOp::SUM, unit_fqn_);
+  }
 }
 
 void FlatParamHandle::finalize_gradients() {
@@ -212,14 +282,12 @@ void FlatParamHandle::finalize_gradients() {
   sharded_grad_ = reduce_output_;
   reduce_output_ = at::Tensor();
   saved_grad_ = at::Tensor();
-  grads_prepared_ = false;
   set_sharded_grad_views();
 }
 
 void FlatParamHandle::set_sharded_grad_views() {
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (!params_[i].param.requires_grad()) continue;
-    params_[i].param.mutable_grad() = storage_slice(sharded_grad_, slices_[i].shard_offset, slices_[i].size());
+    params_[i].param.mutable_grad() = storage_slice(sharded_grad_, slices_[i].shard_offset, sharded_shape(i));
   }
 }
 

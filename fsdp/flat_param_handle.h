@@ -13,14 +13,19 @@
 //                (filled by an all-gather of the local shards).
 // The padded unsharded buffer's storage is freed on reshard and re-grown on unshard, in place (see
 // fsdp/storage_resize.h), so views autograd saved for backward stay valid across the two.
+// Without sharding (NO_SHARD) the "shard" is the whole FlatParameter, parameters are always
+// full-shape views of it, and gradients are all-reduced instead of reduce-scattered.
 //
 // Gradients: autograd writes full-shape gradients into the unsharded parameters' `.grad`. After a
 // unit's backward, `reduce_gradients()` copies them into a padded flat buffer (zeros where a
 // parameter got none), reduce-scatters it (SUM, then divided by the world size), adds the sharded
 // gradient set aside before backward (accumulation without set_to_none, or several backward
-// passes), and points each `.grad` at its slice of the new sharded gradient.
+// passes), and points each `.grad` at its slice of the new sharded gradient. Without gradient
+// sync, the unsharded gradients are instead accumulated in a padded flat buffer that the next
+// synchronised reduction adds in (no collective until then).
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,6 +36,14 @@
 
 namespace fsdp {
 
+struct FlatParamHandleOptions {
+  /// false: NO_SHARD (replicated parameters, all-reduced gradients).
+  bool shard = true;
+  /// Where the shard lives (default: the parameters' device). A model built on the CPU moves only
+  /// its shards to the target device.
+  std::optional<at::Device> device;
+};
+
 class FlatParamHandle {
  public:
   struct OrigParam {
@@ -38,38 +51,41 @@ class FlatParamHandle {
     at::Tensor param;  // the original parameter object
   };
 
-  /// Takes over the storage of `params` (all of one dtype and device, each rank holding the same
-  /// full values): copies this rank's shard out of them and leaves them sharded. `unit_fqn` names
-  /// the unit in errors and traces.
+  /// Takes over the storage of `params` (all of one dtype, one device, and one requires_grad;
+  /// every rank holding the same full values): copies this rank's shard out of them and leaves
+  /// them sharded. `unit_fqn` names the unit in errors and traces.
   FlatParamHandle(std::vector<OrigParam> params, std::shared_ptr<comm::Communicator> comm,
-                  std::string unit_fqn);
+                  std::string unit_fqn, FlatParamHandleOptions options = {});
 
   FlatParamHandle(const FlatParamHandle&) = delete;
   FlatParamHandle& operator=(const FlatParamHandle&) = delete;
 
-  /// Issues the all-gather of the local shard without waiting (prefetch). No-op when unsharded or
-  /// already in flight.
+  /// Issues the all-gather of the local shard without waiting (prefetch). No-op when unsharded,
+  /// already in flight, or not sharded at all.
   void start_unshard();
   /// Makes the original parameters full-shape views of the all-gathered buffer (waits for an
-  /// all-gather in flight, or issues one).
+  /// all-gather in flight, or issues one). Checks that the parameters were not replaced or had
+  /// requires_grad changed since.
   void unshard();
   /// Makes the original parameters views of the local shard and frees the unsharded buffer.
   void reshard();
   bool is_unsharded() const { return unsharded_; }
   bool unshard_in_flight() const { return pending_unshard_.valid(); }
+  bool is_sharded_strategy() const { return options_.shard; }
 
   /// Before backward: sets aside the sharded gradients the original parameters still hold (from an
   /// earlier backward without set_to_none, or replaced by the user: written back), and clears
   /// `.grad` so autograd can write full-shape gradients. Idempotent within one backward.
   void prepare_gradients_for_backward();
-  /// After this handle's backward: reduce-scatters the unsharded gradients (see the note above).
-  /// Issues the collective; `finalize_gradients()` waits for it and sets `.grad`.
-  void reduce_gradients();
-  /// Waits for the reduce-scatter issued by reduce_gradients() and points `.grad` at the new
-  /// sharded gradient (plus the set-aside one). No-op when none is in flight.
+  /// After this handle's backward. With `sync`: issues the reduce-scatter (all-reduce without
+  /// sharding) of the unsharded gradients; `finalize_gradients()` waits for it and sets `.grad`.
+  /// Without: accumulates them locally, no collective, `.grad` left unset.
+  void reduce_gradients(bool sync = true);
+  /// Waits for the collective issued by reduce_gradients() and points `.grad` at the new sharded
+  /// gradient (plus the set-aside one). No-op when none is in flight.
   void finalize_gradients();
   bool gradient_reduction_in_flight() const { return pending_reduce_.valid(); }
-  /// Whether any parameter requires a gradient.
+  /// Whether the parameters require gradients (a handle holds only trainable or only frozen ones).
   bool requires_grad() const { return requires_grad_; }
 
   const FlatParamLayout& layout() const { return layout_; }
@@ -80,26 +96,34 @@ class FlatParamHandle {
   const at::Tensor& local_shard() const { return local_shard_; }
   /// The sharded gradient (1-D) or undefined.
   const at::Tensor& sharded_grad() const { return sharded_grad_; }
-  /// Bytes held by the padded unsharded buffer now (0 when resharded).
+  /// Bytes held now by: the padded unsharded buffer (0 when resharded), the sharded gradient, the
+  /// gradients accumulated without sync.
   size_t unsharded_bytes() const;
+  size_t sharded_grad_bytes() const;
+  size_t accumulated_grad_bytes() const;
 
  private:
   void use_sharded_views();
   void use_unsharded_views();
   void write_back_replaced_data();
+  void check_params_unchanged() const;
   void set_sharded_grad_views();
+  // The shape of parameter i while sharded: 1-D slice, or the full shape without sharding.
+  std::vector<int64_t> sharded_shape(size_t i) const;
 
   std::string unit_fqn_;
   std::vector<OrigParam> params_;
   std::shared_ptr<comm::Communicator> comm_;
+  FlatParamHandleOptions options_;
   FlatParamLayout layout_;
   std::vector<ShardSlice> slices_;    // per original parameter, this rank's slice (maybe empty)
   at::Tensor local_shard_;            // 1-D [shard_numel]
   at::Tensor padded_unsharded_;       // 1-D [padded_numel]; storage freed while resharded
   at::Tensor sharded_grad_;           // 1-D [shard_numel] or undefined
-  at::Tensor saved_grad_;             // set aside before backward, added after the reduce-scatter
-  at::Tensor reduce_output_;          // reduce-scatter in flight: output
-  at::Tensor reduce_input_;           // reduce-scatter in flight: padded unsharded gradient
+  at::Tensor saved_grad_;             // set aside before backward, added after the reduction
+  at::Tensor accumulated_grad_;       // 1-D [padded_numel]: unsynchronised gradients, or undefined
+  at::Tensor reduce_output_;          // reduction in flight: output
+  at::Tensor reduce_input_;           // reduction in flight: padded unsharded gradient
   comm::PendingCollective pending_unshard_;
   comm::PendingCollective pending_reduce_;
   bool unsharded_ = false;

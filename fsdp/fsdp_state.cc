@@ -1,5 +1,9 @@
 #include "fsdp/fsdp_state.h"
 
+#include <algorithm>
+
+#include <c10/util/Exception.h>
+
 #include "fsdp/root_context.h"
 
 namespace fsdp {
@@ -14,12 +18,48 @@ const char* to_string(TrainingState state) {
   return "?";
 }
 
-FSDPState::FSDPState(torch::nn::Module& module, std::string fqn, FSDPConfig config,
+FSDPState::FSDPState(std::vector<torch::nn::Module*> modules, std::string fqn, FSDPConfig config,
                      std::vector<std::unique_ptr<FlatParamHandle>> handles)
-    : module_(&module), fqn_(std::move(fqn)), config_(std::move(config)), handles_(std::move(handles)) {
+    : modules_(std::move(modules)), fqn_(std::move(fqn)), config_(std::move(config)),
+      handles_(std::move(handles)) {
+  TORCH_CHECK(!modules_.empty(), "fully_shard: a unit needs at least one module");
   for (const auto& h : handles_) {
     for (const auto& p : h->params()) managed_.insert(p.param.unsafeGetTensorImpl());
   }
+}
+
+std::vector<std::unique_ptr<FlatParamHandle>> FSDPState::make_handles(
+    const std::vector<FlatParamHandle::OrigParam>& params, const FSDPConfig& config,
+    const std::string& fqn) {
+  std::vector<std::pair<std::pair<c10::ScalarType, bool>, std::vector<FlatParamHandle::OrigParam>>> groups;
+  for (const auto& p : params) {
+    const auto key = std::make_pair(p.param.scalar_type(), p.param.requires_grad());
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == key; });
+    if (it == groups.end()) {
+      groups.push_back({key, {}});
+      it = groups.end() - 1;
+    }
+    it->second.push_back(p);
+  }
+  std::vector<std::unique_ptr<FlatParamHandle>> handles;
+  for (auto& group : groups) {
+    handles.push_back(std::make_unique<FlatParamHandle>(group.second, config.comm, fqn, config.handle));
+  }
+  return handles;
+}
+
+void FSDPState::rebuild_handles(const std::vector<FlatParamHandle::OrigParam>& params) {
+  handles_ = make_handles(params, config_, fqn_);
+  managed_.clear();
+  for (const auto& h : handles_) {
+    for (const auto& p : h->params()) managed_.insert(p.param.unsafeGetTensorImpl());
+  }
+}
+
+std::vector<FlatParamHandle::OrigParam> FSDPState::params() const {
+  std::vector<FlatParamHandle::OrigParam> all;
+  for (const auto& h : handles_) all.insert(all.end(), h->params().begin(), h->params().end());
+  return all;
 }
 
 void FSDPState::set_fqn(std::string fqn) {

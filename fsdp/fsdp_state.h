@@ -37,17 +37,35 @@ const char* to_string(TrainingState state);
 /// The options a unit was created with (see composable/fully_shard.h for the user-facing ones).
 struct FSDPConfig {
   std::shared_ptr<comm::Communicator> comm;
+  /// Sharding (false: NO_SHARD, parameters replicated, gradients all-reduced) and the device of
+  /// the shards.
+  FlatParamHandleOptions handle;
   /// FULL_SHARD (true): reshard after forward, all-gather again in backward.
   bool reshard_after_forward = true;
 };
 
 class FSDPState final : public contract::ApiState {
  public:
-  /// `fqn` names the module in errors (relative to the outermost managed module known at the time).
-  FSDPState(torch::nn::Module& module, std::string fqn, FSDPConfig config,
+  /// `modules`: the module of the unit, or several sibling modules forming one unit (unsharded
+  /// before the first of them runs, resharded after the last). `fqn` names the unit in errors.
+  FSDPState(std::vector<torch::nn::Module*> modules, std::string fqn, FSDPConfig config,
             std::vector<std::unique_ptr<FlatParamHandle>> handles);
 
-  torch::nn::Module& module() const { return *module_; }
+  /// Groups `params` into FlatParameters: one per (dtype, requires_grad), in order of first
+  /// appearance, so frozen parameters never hold gradient memory or join a reduce-scatter.
+  static std::vector<std::unique_ptr<FlatParamHandle>> make_handles(
+      const std::vector<FlatParamHandle::OrigParam>& params, const FSDPConfig& config,
+      const std::string& fqn);
+
+  /// Rebuilds the handles over `params` (which must hold full values: call unshard() first).
+  /// Lazy initialisation uses it to move a tied parameter into the unit that owns it.
+  void rebuild_handles(const std::vector<FlatParamHandle::OrigParam>& params);
+  /// The original parameters of every handle, in handle order.
+  std::vector<FlatParamHandle::OrigParam> params() const;
+
+  /// The unit's (first) module.
+  torch::nn::Module& module() const { return *modules_.front(); }
+  const std::vector<torch::nn::Module*>& modules() const { return modules_; }
   const std::string& fqn() const { return fqn_; }
   /// Renames the unit (lazy initialisation names it relative to its root) and its handles.
   void set_fqn(std::string fqn);
@@ -71,14 +89,22 @@ class FSDPState final : public contract::ApiState {
   /// Issues the all-gathers of every handle without waiting (prefetch).
   void start_unshard();
 
+  /// Gradient accumulation: without sync, gradients accumulate unsharded and no reduce-scatter is
+  /// issued; the next backward with sync reduces the sum.
+  bool requires_gradient_sync = true;
+  /// Whether backward reshards the unit (false keeps it unsharded for the next forward while
+  /// accumulating without sync; a backward with sync always reshards).
+  bool reshard_after_backward = true;
+
   // Per-iteration bookkeeping used by the runtime.
   int pending_post_backward = 0;   // RegisterPostBackward nodes not yet run this iteration
   bool pre_backward_done = false;  // this iteration's pre-backward ran
   bool reduced = false;            // this iteration's gradients were reduce-scattered
   bool ran_forward = false;        // pre-forward ran this iteration
+  size_t post_forwards = 0;        // post-forwards since the unit was last unsharded for forward
 
  private:
-  torch::nn::Module* module_;
+  std::vector<torch::nn::Module*> modules_;
   std::string fqn_;
   FSDPConfig config_;
   std::vector<std::unique_ptr<FlatParamHandle>> handles_;

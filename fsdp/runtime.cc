@@ -1,5 +1,10 @@
 #include "fsdp/runtime.h"
 
+#include <algorithm>
+#include <map>
+#include <sstream>
+#include <unordered_map>
+
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
@@ -14,6 +19,114 @@
 
 namespace fsdp::runtime {
 namespace {
+
+std::string join_fqn(const std::string& prefix, const std::string& name) {
+  return prefix.empty() ? name : name.empty() ? prefix : prefix + "." + name;
+}
+
+// Whether the module at `fqn` is `ancestor_fqn` or inside it.
+bool within(const std::string& fqn, const std::string& ancestor_fqn) {
+  if (ancestor_fqn.empty()) return true;
+  return fqn == ancestor_fqn ||
+         (fqn.size() > ancestor_fqn.size() && fqn.compare(0, ancestor_fqn.size(), ancestor_fqn) == 0 &&
+          fqn[ancestor_fqn.size()] == '.');
+}
+
+// [Note: tied parameters] A parameter registered by several modules (an embedding tied to the
+// output projection) belongs to the innermost unit that contains every module registering it:
+// otherwise one unit would compute on a parameter another unit has resharded. fully_shard gives
+// it to the first unit applied (bottom-up, the innermost one containing one registrant); lazy
+// initialisation moves it where it belongs, rebuilding both units' FlatParameters (every rank does
+// the same, so the all-gathers this takes match).
+void place_tied_parameters(RootContext& context,
+                           const std::unordered_map<FSDPState*, std::vector<std::string>>& unit_fqns) {
+  torch::nn::Module& root = context.root->module();
+  std::unordered_map<const void*, std::vector<std::string>> registrants;  // module FQNs
+  std::unordered_map<const void*, std::string> first_name;                // parameter FQN
+  for (const auto& item : root.named_modules("", /*include_self=*/true)) {
+    for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
+      const void* impl = p.value().unsafeGetTensorImpl();
+      registrants[impl].push_back(item.key());
+      first_name.emplace(impl, join_fqn(item.key(), p.key()));
+    }
+  }
+  // The innermost unit containing module `fqn`, and how deep its module is.
+  auto containing_depth = [&](FSDPState* unit, const std::string& fqn) -> int {
+    int best = -1;
+    for (const auto& m : unit_fqns.at(unit)) {
+      if (within(fqn, m)) best = std::max(best, static_cast<int>(m.size()) + (m.empty() ? 0 : 1));
+    }
+    return best;
+  };
+  std::map<FSDPState*, std::vector<const void*>> moves_out;
+  std::map<FSDPState*, std::vector<const void*>> moves_in;
+  for (FSDPState* owner : context.states) {
+    for (const auto& p : owner->params()) {
+      const void* impl = p.param.unsafeGetTensorImpl();
+      const auto& modules = registrants[impl];
+      if (modules.size() < 2) continue;
+      FSDPState* target = nullptr;
+      int target_depth = -1;
+      for (FSDPState* unit : context.states) {
+        int depth = INT32_MAX;
+        for (const auto& m : modules) depth = std::min(depth, containing_depth(unit, m));
+        if (depth > target_depth) {
+          target_depth = depth;
+          target = unit;
+        }
+      }
+      TORCH_CHECK(target != nullptr && target_depth >= 0, "fully_shard: parameter '",
+                  first_name[impl], "' is registered by '", modules.front(), "' and by '",
+                  modules.back(), "', and no unit contains both: apply fully_shard to a module "
+                  "that contains every module using the parameter");
+      if (target != owner) {
+        moves_out[owner].push_back(impl);
+        moves_in[target].push_back(impl);
+      }
+    }
+  }
+  if (moves_out.empty()) return;
+  // Full values for every affected unit, then rebuilt FlatParameters.
+  std::vector<FSDPState*> affected;
+  for (auto& [unit, _] : moves_out) affected.push_back(unit);
+  for (auto& [unit, _] : moves_in) {
+    if (!moves_out.count(unit)) affected.push_back(unit);
+  }
+  std::sort(affected.begin(), affected.end(), [&](FSDPState* a, FSDPState* b) {
+    return std::find(context.states.begin(), context.states.end(), a) <
+           std::find(context.states.begin(), context.states.end(), b);
+  });
+  std::unordered_map<const void*, FlatParamHandle::OrigParam> moved;
+  std::map<FSDPState*, std::vector<FlatParamHandle::OrigParam>> kept;
+  for (FSDPState* unit : affected) unit->unshard();
+  for (FSDPState* unit : affected) {
+    std::vector<FlatParamHandle::OrigParam> keep;
+    for (auto& p : unit->params()) {
+      const void* impl = p.param.unsafeGetTensorImpl();
+      const auto& out = moves_out[unit];
+      // Full values of their own, independent of the buffer about to be rebuilt.
+      p.param.set_data(p.param.detach().clone());
+      if (std::find(out.begin(), out.end(), impl) != out.end()) {
+        moved.emplace(impl, p);
+      } else {
+        keep.push_back(p);
+      }
+    }
+    kept[unit] = std::move(keep);
+  }
+  for (FSDPState* unit : affected) {
+    auto params = std::move(kept[unit]);
+    for (const void* impl : moves_in[unit]) {
+      auto p = moved.at(impl);
+      p.fqn = first_name[impl];  // relative to the unit's module below
+      for (const auto& m : unit_fqns.at(unit)) {
+        if (!m.empty() && within(p.fqn, m)) p.fqn = p.fqn.substr(m.size() + 1);
+      }
+      params.push_back(p);
+    }
+    unit->rebuild_handles(params);
+  }
+}
 
 // Lazy initialisation in the root's first pre-forward: the root is the managed module with no
 // managed ancestor; every managed module in its tree shares its context.
@@ -31,6 +144,7 @@ void lazy_init(FSDPState& state) {
   auto context = std::make_shared<RootContext>();
   context->root = &state;
   context->comm = state.config().comm;
+  std::unordered_map<FSDPState*, std::vector<std::string>> unit_fqns;
   for (const auto& item : state.module().named_modules("", /*include_self=*/true)) {
     auto unit = registry.get_as<FSDPState>(*item.value(), kFullyShardApi);
     if (!unit) continue;
@@ -38,10 +152,17 @@ void lazy_init(FSDPState& state) {
                 registry.describe(*item.value()),
                 " uses another communicator than its root; every unit of one model must use the "
                 "same one");
-    unit->set_root_context(context);
-    unit->set_fqn(item.key().empty() ? std::string("<root>") : item.key());
-    context->states.push_back(unit.get());
+    auto& names = unit_fqns[unit.get()];
+    if (names.empty()) context->states.push_back(unit.get());  // siblings: one unit, several modules
+    names.push_back(item.key());
   }
+  for (FSDPState* unit : context->states) {
+    unit->set_root_context(context);
+    std::string name;
+    for (const auto& n : unit_fqns[unit]) name += (name.empty() ? "" : "+") + (n.empty() ? std::string("<root>") : n);
+    unit->set_fqn(name);
+  }
+  place_tied_parameters(*context, unit_fqns);
 }
 
 // Ends an iteration in which no backward ran (or will run): every unit resharded and idle.
@@ -51,6 +172,7 @@ void end_iteration_without_backward(RootContext& context) {
     unit->set_training_state(TrainingState::kIdle);
   }
   context.iteration_active = false;
+  ++context.iterations;
 }
 
 void root_pre_forward(RootContext& context) {
@@ -67,7 +189,29 @@ void root_pre_forward(RootContext& context) {
     unit->pre_backward_done = false;
     unit->reduced = false;
     unit->ran_forward = false;
+    unit->post_forwards = 0;
   }
+}
+
+// First iteration: every rank must run the units in the same order (their collectives pair up by
+// order). Exchanged before the unit's first all-gather, so a divergence is named, not a hang.
+void check_forward_order(RootContext& context, const std::string& entry) {
+  const auto all = context.comm->all_gather_bytes(std::vector<uint8_t>(entry.begin(), entry.end()),
+                                                  "forward order check");
+  bool same = true;
+  for (const auto& e : all) same &= std::string(e.begin(), e.end()) == entry;
+  if (same) return;
+  std::ostringstream message;
+  message << "fully_shard: the forward order differs across ranks in the first iteration (at unit #"
+          << context.forward_order.size() << "):";
+  for (size_t r = 0; r < all.size(); ++r) {
+    const std::string e(all[r].begin(), all[r].end());
+    message << "\n  rank " << r << ": "
+            << (e.rfind("unit ", 0) == 0 ? "ran '" + e.substr(5) + "'" : "finished its forward");
+  }
+  message << "\nEvery rank must run the same units in the same order (their collectives pair up by "
+             "order).";
+  TORCH_CHECK(false, message.str());
 }
 
 // Reduce-scatters, in reverse forward order, every unit whose turn has come: with `final`, all of
@@ -77,10 +221,14 @@ void reduce_in_order(RootContext& context, bool final) {
   while (context.reduced_from_back < n) {
     FSDPState* unit = context.forward_order[n - 1 - context.reduced_from_back];
     if (!final && unit->training_state() != TrainingState::kPostBackward) break;
-    for (const auto& handle : unit->handles()) handle->reduce_gradients();
+    for (const auto& handle : unit->handles()) handle->reduce_gradients(unit->requires_gradient_sync);
     unit->reduced = true;
     ++context.reduced_from_back;
   }
+}
+
+bool keeps_unsharded_after_backward(const FSDPState& unit) {
+  return !unit.reshard_after_backward && !unit.requires_gradient_sync;
 }
 
 void end_of_backward(RootContext& context) {
@@ -89,7 +237,7 @@ void end_of_backward(RootContext& context) {
     for (const auto& handle : unit->handles()) handle->finalize_gradients();
   }
   for (FSDPState* unit : context.states) {
-    unit->reshard();
+    if (!keeps_unsharded_after_backward(*unit)) unit->reshard();
     unit->set_training_state(TrainingState::kIdle);
   }
   context.iteration_active = false;
@@ -123,7 +271,7 @@ void post_backward(void* arg) {
   if (--unit.pending_post_backward > 0) return;  // another forward call's backward is to come
   if (unit.training_state() == TrainingState::kPostBackward) return;
   unit.set_training_state(TrainingState::kPostBackward);
-  unit.reshard();
+  if (!keeps_unsharded_after_backward(unit)) unit.reshard();
   reduce_in_order(*unit.root_context(), /*final=*/false);
 }
 
@@ -137,6 +285,7 @@ void pre_forward(FSDPState& state, contract::ForwardArgs& args) {
               contract::ModuleStateRegistry::global().describe(state.module()),
               " ran its forward outside a forward of its root; call the root module");
   if (!state.ran_forward) {
+    if (context.iterations == 0) check_forward_order(context, "unit " + state.fqn());
     state.ran_forward = true;
     context.forward_order.push_back(&state);
   }
@@ -163,7 +312,9 @@ void pre_forward(FSDPState& state, contract::ForwardArgs& args) {
 
 void post_forward(FSDPState& state, c10::IValue& output) {
   RootContext& context = *state.root_context();
-  if (!state.is_root() && state.config().reshard_after_forward) state.reshard();
+  // Siblings: reshard after the last of the unit's modules ran.
+  const bool last_module = ++state.post_forwards % state.modules().size() == 0;
+  if (!state.is_root() && state.config().reshard_after_forward && last_module) state.reshard();
   std::vector<at::Tensor> hooked;
   if (c10::GradMode::is_enabled()) {
     contract::for_each_tensor(output, [&](const at::Tensor& t) {
@@ -173,6 +324,9 @@ void post_forward(FSDPState& state, c10::IValue& output) {
     });
   }
   if (!state.is_root()) return;
+  if (context.iterations == 0 && !context.checked_sharded_use) {
+    check_forward_order(context, "end of forward");
+  }
   if (hooked.empty()) {
     end_iteration_without_backward(context);
     return;

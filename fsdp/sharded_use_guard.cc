@@ -8,7 +8,8 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
-#include "contract/module_fqn.h"
+#include <torch/nn/module.h>
+
 #include "fsdp/fsdp_state.h"
 #include "fsdp/root_context.h"
 
@@ -20,24 +21,23 @@ struct ManagedParam {
   std::vector<int64_t> shape;
 };
 
-std::string join_fqn(const std::string& prefix, const std::string& name) {
-  return prefix.empty() ? name : prefix + "." + name;
-}
-
 }  // namespace
 
 std::vector<std::string> find_params_used_while_sharded(const std::vector<at::Tensor>& outputs,
                                                         const RootContext& context) {
-  std::unordered_map<const void*, ManagedParam> params;
+  std::unordered_map<const void*, std::vector<int64_t>> shapes;  // managed parameter -> full shape
   for (const FSDPState* state : context.states) {
-    const std::string prefix =
-        contract::find_module_fqn(context.root->module(), state->module()).value_or(state->fqn());
     for (const auto& handle : state->handles()) {
       for (size_t i = 0; i < handle->params().size(); ++i) {
-        const auto& p = handle->params()[i];
-        params[p.param.unsafeGetTensorImpl()] = {join_fqn(prefix, p.fqn), handle->layout().entries[i].shape};
+        shapes[handle->params()[i].param.unsafeGetTensorImpl()] = handle->layout().entries[i].shape;
       }
     }
+  }
+  std::unordered_map<const void*, ManagedParam> params;
+  for (const auto& item : context.root->module().named_parameters()) {
+    const void* impl = item.value().unsafeGetTensorImpl();
+    const auto it = shapes.find(impl);
+    if (it != shapes.end()) params.emplace(impl, ManagedParam{item.key(), it->second});
   }
   std::vector<std::string> found;
   std::unordered_set<const torch::autograd::Node*> visited;

@@ -1,0 +1,130 @@
+#include "examples/gpt_model.h"
+
+#include <cmath>
+#include <utility>
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/dropout.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/TensorOperators.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+namespace fsdp::examples {
+
+void GPTConfig::validate() const {
+  TORCH_CHECK(vocab_size_ > 0, "GPTConfig: vocab_size must be positive (got ", vocab_size_, ")");
+  TORCH_CHECK(context_length_ > 0, "GPTConfig: context_length must be positive (got ",
+              context_length_, ")");
+  TORCH_CHECK(n_heads_ > 0, "GPTConfig: n_heads must be positive (got ", n_heads_, ")");
+  TORCH_CHECK(d_model_ > 0 && d_model_ % n_heads_ == 0, "GPTConfig: d_model must be a positive "
+              "multiple of n_heads (got d_model ", d_model_, ", n_heads ", n_heads_, ")");
+  TORCH_CHECK(n_layers_ > 0, "GPTConfig: n_layers must be positive (got ", n_layers_, ")");
+  TORCH_CHECK(mlp_ratio_ > 0, "GPTConfig: mlp_ratio must be positive (got ", mlp_ratio_, ")");
+  TORCH_CHECK(dropout_ >= 0.0 && dropout_ < 1.0, "GPTConfig: dropout must be in [0, 1) (got ",
+              dropout_, ")");
+}
+
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& config)
+    : n_heads_(config.n_heads()), dropout_(config.dropout()) {
+  const int64_t d = config.d_model();
+  qkv = register_module("qkv", contract::Linear(d, 3 * d));
+  proj = register_module("proj", contract::Linear(d, d));
+}
+
+at::Tensor CausalSelfAttentionImpl::forward(at::Tensor x) {
+  const int64_t batch = x.size(0), time = x.size(1), width = x.size(2);
+  // [B, T, 3C] -> three [B, H, T, C/H]
+  auto heads = [&](const at::Tensor& t) {
+    return t.view({batch, time, n_heads_, width / n_heads_}).transpose(1, 2);
+  };
+  const auto qkv_out = qkv(x).split(width, /*dim=*/2);
+  at::Tensor y = at::scaled_dot_product_attention(heads(qkv_out[0]), heads(qkv_out[1]),
+                                                  heads(qkv_out[2]), /*attn_mask=*/{},
+                                                  is_training() ? dropout_ : 0.0,
+                                                  /*is_causal=*/true);
+  y = y.transpose(1, 2).contiguous().view({batch, time, width});
+  return at::dropout(proj(y), dropout_, is_training());
+}
+
+MlpImpl::MlpImpl(const GPTConfig& config) : dropout_(config.dropout()) {
+  const int64_t d = config.d_model();
+  fc = register_module("fc", contract::Linear(d, config.mlp_ratio() * d));
+  proj = register_module("proj", contract::Linear(config.mlp_ratio() * d, d));
+}
+
+at::Tensor MlpImpl::forward(at::Tensor x) {
+  return at::dropout(proj(at::gelu(fc(x), "tanh")), dropout_, is_training());
+}
+
+BlockImpl::BlockImpl(const GPTConfig& config) {
+  const std::vector<int64_t> shape{config.d_model()};
+  ln1 = register_module("ln1", contract::LayerNorm(torch::nn::LayerNormOptions(shape)));
+  attn = register_module("attn", CausalSelfAttention(config));
+  ln2 = register_module("ln2", contract::LayerNorm(torch::nn::LayerNormOptions(shape)));
+  mlp = register_module("mlp", Mlp(config));
+}
+
+at::Tensor BlockImpl::forward(at::Tensor x) {
+  x = x + attn(ln1(x));
+  return x + mlp(ln2(x));
+}
+
+GPTImpl::GPTImpl(GPTConfig config) : config_(std::move(config)) {
+  config_.validate();
+  const int64_t d = config_.d_model();
+  tok_emb = register_module("tok_emb",
+                            contract::Embedding(torch::nn::EmbeddingOptions(config_.vocab_size(), d)));
+  pos_emb = register_module(
+      "pos_emb", contract::Embedding(torch::nn::EmbeddingOptions(config_.context_length(), d)));
+  blocks = register_module("blocks", contract::ModuleList());
+  for (int64_t i = 0; i < config_.n_layers(); ++i) blocks->push_back(Block(config_));
+  ln_f = register_module("ln_f", contract::LayerNorm(torch::nn::LayerNormOptions({d})));
+  init_weights();
+}
+
+void GPTImpl::init_weights() {
+  c10::NoGradGuard no_grad;
+  const double std = 0.02;
+  const double residual_std = std / std::sqrt(2.0 * static_cast<double>(config_.n_layers()));
+  tok_emb->weight.normal_(0.0, std);
+  pos_emb->weight.normal_(0.0, std);
+  auto init_linear = [](const contract::Linear& linear, double weight_std) {
+    linear->weight.normal_(0.0, weight_std);
+    linear->bias.zero_();
+  };
+  for (const Block& block : block_list()) {
+    init_linear(block->attn->qkv, std);
+    init_linear(block->attn->proj, residual_std);
+    init_linear(block->mlp->fc, std);
+    init_linear(block->mlp->proj, residual_std);
+  }
+}
+
+at::Tensor GPTImpl::forward(at::Tensor tokens) {
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong,
+              "GPT::forward: expected int64 token ids of shape [batch, time] (got ",
+              tokens.scalar_type(), " of shape ", tokens.sizes(), ")");
+  const int64_t time = tokens.size(1);
+  TORCH_CHECK(time <= config_.context_length(), "GPT::forward: sequence of ", time,
+              " tokens is longer than the context length ", config_.context_length());
+  const at::Tensor positions = at::arange(time, tokens.options());
+  at::Tensor x = at::dropout(tok_emb(tokens) + pos_emb(positions), config_.dropout(), is_training());
+  for (const auto& block : *blocks) x = block.forward(x);
+  // The output layer shares the token embedding's weight ([Note: tied embedding]).
+  return ln_f(x).matmul(tok_emb->weight.t());
+}
+
+std::vector<Block> GPTImpl::block_list() const { return blocks->holders<Block>(); }
+
+at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets) {
+  TORCH_CHECK(logits.dim() == 3 && targets.dim() == 2 &&
+                  logits.size(0) == targets.size(0) && logits.size(1) == targets.size(1),
+              "next_token_loss: expected logits [batch, time, vocab] and targets [batch, time] "
+              "(got ", logits.sizes(), " and ", targets.sizes(), ")");
+  return at::cross_entropy_loss(logits.reshape({-1, logits.size(2)}), targets.reshape({-1}));
+}
+
+}  // namespace fsdp::examples

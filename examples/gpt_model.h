@@ -1,0 +1,147 @@
+#pragma once
+// A small GPT-style decoder-only language model written as a fully_shard user would write it:
+// every module that becomes an FSDP unit (each Block, and the GPT root) is hook-able
+// (FSDP_HOOKABLE_MODULE), and every child is called through its hook-able holder.
+//
+//   torch::manual_seed(0);                                  // initialisation is deterministic
+//   fsdp::examples::GPT model(fsdp::examples::GPTConfig(/*vocab_size=*/64).n_layers(4));
+//   for (auto& block : model->block_list()) fsdp::fully_shard(block, opts);   // bottom-up
+//   fsdp::fully_shard(model, opts);                                            // the root last
+//   at::Tensor logits = model(tokens);                      // [batch, time] -> [batch, time, vocab]
+//   at::Tensor loss = fsdp::examples::next_token_loss(logits, targets);
+//
+// Structure and FQNs (GPT-2 layout, pre-LayerNorm):
+//   tok_emb.weight                    [vocab, d_model]  token embedding, TIED to the output layer
+//   pos_emb.weight                    [context, d_model] learned position embedding
+//   blocks.<i>.ln1.{weight,bias}      x = x + attn(ln1(x))
+//   blocks.<i>.attn.qkv.{weight,bias}     causal self-attention: one projection to q, k, v,
+//   blocks.<i>.attn.proj.{weight,bias}    scaled_dot_product_attention(is_causal), output proj
+//   blocks.<i>.ln2.{weight,bias}      x = x + mlp(ln2(x))
+//   blocks.<i>.mlp.fc.{weight,bias}       d_model -> mlp_ratio * d_model, GELU,
+//   blocks.<i>.mlp.proj.{weight,bias}     back to d_model
+//   ln_f.{weight,bias}                final LayerNorm
+//
+// [Note: tied embedding] The output layer has no weight of its own: GPT::forward computes the
+// logits as `ln_f(x).matmul(tok_emb->weight.t())`. The tied weight is registered once, by the
+// embedding, so it is one parameter with one FQN; the root's fully_shard unit contains the
+// embedding and runs the projection in its own forward, so the weight lives in the root's
+// FlatParameter and is unsharded whenever either use runs (the root stays unsharded from its
+// forward to the end of its backward).
+
+#include <cstdint>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+
+#include "contract/hookable_module_holder.h"
+#include "contract/hookable_module_list.h"
+#include "contract/hookable_modules.h"
+
+namespace fsdp::examples {
+
+/// The shape of a GPT, in the LibTorch options style:
+///
+///   auto config = GPTConfig(/*vocab_size=*/65).context_length(128).d_model(256).n_layers(6);
+struct GPTConfig {
+  explicit GPTConfig(int64_t vocab_size) : vocab_size_(vocab_size) {}
+
+  /// Fails with a c10::Error naming the first invalid field and its value.
+  void validate() const;
+
+  /// Number of distinct tokens.
+  TORCH_ARG(int64_t, vocab_size);
+  /// The longest sequence the model reads (rows of the position embedding).
+  TORCH_ARG(int64_t, context_length) = 64;
+  /// Width of the residual stream; a multiple of n_heads.
+  TORCH_ARG(int64_t, d_model) = 128;
+  /// Attention heads per block.
+  TORCH_ARG(int64_t, n_heads) = 4;
+  /// Number of blocks.
+  TORCH_ARG(int64_t, n_layers) = 4;
+  /// Hidden width of the MLP as a multiple of d_model.
+  TORCH_ARG(int64_t, mlp_ratio) = 4;
+  /// Dropout on the embeddings, attention weights and residual branches, in training mode only.
+  /// 0 (the default) keeps a training step deterministic.
+  TORCH_ARG(double, dropout) = 0.0;
+};
+
+/// Multi-head causal self-attention: qkv projection, scaled_dot_product_attention with a causal
+/// mask, output projection. [batch, time, d_model] -> [batch, time, d_model].
+class CausalSelfAttentionImpl : public torch::nn::Module {
+ public:
+  explicit CausalSelfAttentionImpl(const GPTConfig& config);
+  at::Tensor forward(at::Tensor x);
+
+  contract::Linear qkv{nullptr};
+  contract::Linear proj{nullptr};
+
+ private:
+  int64_t n_heads_;
+  double dropout_;
+};
+FSDP_HOOKABLE_MODULE(CausalSelfAttention);
+
+/// fc -> GELU (tanh approximation, as GPT-2) -> proj.
+class MlpImpl : public torch::nn::Module {
+ public:
+  explicit MlpImpl(const GPTConfig& config);
+  at::Tensor forward(at::Tensor x);
+
+  contract::Linear fc{nullptr};
+  contract::Linear proj{nullptr};
+
+ private:
+  double dropout_;
+};
+FSDP_HOOKABLE_MODULE(Mlp);
+
+/// One pre-LayerNorm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)).
+class BlockImpl : public torch::nn::Module {
+ public:
+  explicit BlockImpl(const GPTConfig& config);
+  at::Tensor forward(at::Tensor x);
+
+  contract::LayerNorm ln1{nullptr};
+  CausalSelfAttention attn{nullptr};
+  contract::LayerNorm ln2{nullptr};
+  Mlp mlp{nullptr};
+};
+FSDP_HOOKABLE_MODULE(Block);
+
+/// The language model: token ids [batch, time] (int64, time <= context_length) -> logits
+/// [batch, time, vocab_size]. See the top of this file for the structure and the tied weight.
+class GPTImpl : public torch::nn::Module {
+ public:
+  /// Builds the model and initialises it GPT-2 style from the global generator (call
+  /// torch::manual_seed first for reproducible weights): weights N(0, 0.02), residual output
+  /// projections N(0, 0.02 / sqrt(2 * n_layers)), biases 0, LayerNorms (1, 0).
+  explicit GPTImpl(GPTConfig config);
+
+  at::Tensor forward(at::Tensor tokens);
+
+  /// The blocks in order, as hook-able holders (the units to shard before the root):
+  ///
+  ///   for (auto& block : model->block_list()) fsdp::fully_shard(block, opts);
+  std::vector<Block> block_list() const;
+
+  const GPTConfig& config() const { return config_; }
+
+  contract::Embedding tok_emb{nullptr};
+  contract::Embedding pos_emb{nullptr};
+  contract::ModuleList blocks{nullptr};
+  contract::LayerNorm ln_f{nullptr};
+
+ private:
+  void init_weights();
+
+  GPTConfig config_;
+};
+FSDP_HOOKABLE_MODULE(GPT);
+
+/// Mean cross-entropy of next-token prediction: `logits` [batch, time, vocab] against `targets`
+/// [batch, time] (int64).
+at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets);
+
+}  // namespace fsdp::examples

@@ -1,0 +1,441 @@
+// The main example: trains a small GPT-style character-level language model with fully_shard on
+// every block and on the root, over the ranks of the launch (tools/example.sh: 2 MPI ranks on the
+// CPU). Each rank trains on its own random windows of the text that ships with the repository
+// (examples/data/corpus.txt).
+//
+//   tools/example.sh [--np N] [--steps 60] [--strategy full|grad_op|no_shard] [--help] ...
+//
+// Rank 0 prints one line per step (loss averaged over the ranks, tokens per second), then what
+// sharding saved: per-rank bytes of parameters, gradients and AdamW state next to what one rank
+// would hold unsharded, and the collectives per step. Last, every rank trains the same model
+// unsharded on all ranks' batches of every step (the gradient DDP would compute) and the final
+// losses must agree within a relative 1e-3: the program exits 1 otherwise, and 1 on any error
+// (printed with the rank), 2 on bad flags.
+
+#include <algorithm>
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <c10/util/Exception.h>
+#include <torch/optim/adamw.h>
+#include <torch/utils.h>
+
+#include "comm/init.h"
+#include "composable/fully_shard.h"
+#include "examples/char_corpus.h"
+#include "examples/gpt_model.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using fsdp::comm::CollectiveKind;
+using fsdp::examples::GPT;
+using fsdp::examples::GPTConfig;
+
+constexpr double kParityTolerance = 1e-3;  // relative, on the final loss
+
+constexpr const char* kUsage = R"(usage: train_gpt [flags]   (launch with mpirun, or tools/example.sh)
+  --steps N              optimizer steps (default 60)
+  --layers N             transformer blocks (default 4)
+  --d-model N            residual width, a multiple of --heads (default 128)
+  --heads N              attention heads (default 4)
+  --context N            tokens per training window (default 64)
+  --batch N              windows per rank per step (default 16)
+  --lr X                 AdamW learning rate (default 3e-3; weight decay 0.01)
+  --strategy S           full (FULL_SHARD), grad_op (SHARD_GRAD_OP), no_shard (default full)
+  --seed N               model initialisation and batches (default 0)
+  --check-unsharded 0|1  train an unsharded copy and compare final losses (default 1)
+  --threads N            intra-op threads per rank (default 1: ranks share this machine's cores)
+)";
+
+/// The command line.
+struct Flags {
+  int64_t steps = 60;
+  int64_t layers = 4;
+  int64_t d_model = 128;
+  int64_t heads = 4;
+  int64_t context = 64;
+  int64_t batch = 16;
+  double lr = 3e-3;
+  std::string strategy = "full";
+  uint64_t seed = 0;
+  bool check_unsharded = true;
+  int64_t threads = 1;
+  bool help = false;
+};
+
+int64_t parse_int(const std::string& flag, const std::string& value, int64_t min) {
+  size_t used = 0;
+  int64_t parsed = 0;
+  try {
+    parsed = std::stoll(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != value.size() || value.empty() || parsed < min) {
+    throw std::invalid_argument(flag + " expects an integer >= " + std::to_string(min) +
+                                " (got '" + value + "')");
+  }
+  return parsed;
+}
+
+double parse_positive_double(const std::string& flag, const std::string& value) {
+  size_t used = 0;
+  double parsed = 0.0;
+  try {
+    parsed = std::stod(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != value.size() || value.empty() || !(parsed > 0.0) || !std::isfinite(parsed)) {
+    throw std::invalid_argument(flag + " expects a positive number (got '" + value + "')");
+  }
+  return parsed;
+}
+
+/// Parses `--name value` and `--name=value`; std::invalid_argument names the bad flag.
+Flags parse_flags(int argc, char** argv) {
+  Flags f;
+  for (int i = 1; i < argc; ++i) {
+    std::string name = argv[i];
+    if (name == "--help" || name == "-h") {
+      f.help = true;
+      continue;
+    }
+    if (name.rfind("--", 0) != 0) throw std::invalid_argument("unexpected argument '" + name + "'");
+    std::string value;
+    if (const size_t eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+    } else {
+      if (i + 1 >= argc) throw std::invalid_argument(name + " needs a value");
+      value = argv[++i];
+    }
+    if (name == "--steps") f.steps = parse_int(name, value, 1);
+    else if (name == "--layers") f.layers = parse_int(name, value, 1);
+    else if (name == "--d-model") f.d_model = parse_int(name, value, 1);
+    else if (name == "--heads") f.heads = parse_int(name, value, 1);
+    else if (name == "--context") f.context = parse_int(name, value, 1);
+    else if (name == "--batch") f.batch = parse_int(name, value, 1);
+    else if (name == "--lr") f.lr = parse_positive_double(name, value);
+    else if (name == "--seed") f.seed = static_cast<uint64_t>(parse_int(name, value, 0));
+    else if (name == "--threads") f.threads = parse_int(name, value, 1);
+    else if (name == "--check-unsharded") f.check_unsharded = parse_int(name, value, 0) != 0;
+    else if (name == "--strategy") {
+      if (value != "full" && value != "grad_op" && value != "no_shard") {
+        throw std::invalid_argument("--strategy expects full, grad_op or no_shard (got '" + value +
+                                    "')");
+      }
+      f.strategy = value;
+    } else {
+      throw std::invalid_argument("unknown flag '" + name + "'");
+    }
+  }
+  if (f.d_model % f.heads != 0) {
+    throw std::invalid_argument("--d-model (" + std::to_string(f.d_model) +
+                                ") must be a multiple of --heads (" + std::to_string(f.heads) + ")");
+  }
+  return f;
+}
+
+fsdp::ShardingStrategy to_strategy(const std::string& name) {
+  if (name == "grad_op") return fsdp::ShardingStrategy::kShardGradOp;
+  if (name == "no_shard") return fsdp::ShardingStrategy::kNoShard;
+  return fsdp::ShardingStrategy::kFullShard;
+}
+
+const char* strategy_label(fsdp::ShardingStrategy strategy) {
+  switch (strategy) {
+    case fsdp::ShardingStrategy::kFullShard: return "FULL_SHARD";
+    case fsdp::ShardingStrategy::kShardGradOp: return "SHARD_GRAD_OP";
+    case fsdp::ShardingStrategy::kNoShard: return "NO_SHARD";
+  }
+  return "?";
+}
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+/// Bytes one rank holds for training state.
+struct StateBytes {
+  int64_t params = 0;
+  int64_t grads = 0;
+  int64_t optimizer = 0;
+};
+
+int64_t nbytes(const at::Tensor& t) { return t.defined() ? static_cast<int64_t>(t.nbytes()) : 0; }
+
+/// AdamW's state: exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad) per parameter, plus the
+/// step counter, an int64_t per parameter in LibTorch (not a tensor).
+int64_t adamw_state_bytes(const torch::optim::AdamW& optim) {
+  int64_t total = 0;
+  for (const auto& entry : optim.state()) {
+    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*entry.second);
+    total += nbytes(s.exp_avg()) + nbytes(s.exp_avg_sq()) + nbytes(s.max_exp_avg_sq()) +
+             static_cast<int64_t>(sizeof(s.step()));
+  }
+  return total;
+}
+
+/// What one rank would hold training `model` unsharded with AdamW: every parameter, a gradient of
+/// the same size, two moments of the same size and one int64 step per parameter.
+StateBytes unsharded_bytes(const torch::nn::Module& model) {
+  StateBytes b;
+  int64_t count = 0;
+  for (const auto& p : model.parameters()) {
+    b.params += p.numel() * static_cast<int64_t>(p.element_size());
+    ++count;
+  }
+  b.grads = b.params;
+  b.optimizer = 2 * b.params + count * static_cast<int64_t>(sizeof(int64_t));
+  return b;
+}
+
+/// What this rank holds under fully_shard: the units' local shards, their sharded gradients and
+/// the optimizer's state for the (sharded) original parameters.
+StateBytes sharded_bytes(const std::vector<fsdp::FSDPModule>& units,
+                         const torch::optim::AdamW& optim) {
+  StateBytes b;
+  for (const auto& unit : units) {
+    for (const auto& handle : unit.handles()) {
+      b.params += nbytes(handle->local_shard());
+      b.grads += nbytes(handle->sharded_grad());
+    }
+  }
+  b.optimizer = adamw_state_bytes(optim);
+  return b;
+}
+
+using StatsSnapshot = std::map<CollectiveKind, fsdp::comm::CollectiveStats>;
+
+StatsSnapshot snapshot(const fsdp::comm::Communicator& comm) {
+  StatsSnapshot s;
+  for (int k = 0; k < fsdp::comm::kNumCollectiveKinds; ++k) {
+    const auto kind = static_cast<CollectiveKind>(k);
+    s[kind] = comm.stats(kind);
+  }
+  return s;
+}
+
+/// The model's input and target windows of `step` for `rank`, on `device`.
+fsdp::examples::TokenBatch batch_for(const fsdp::examples::CharCorpus& corpus, const Flags& f,
+                                     int64_t step, int rank, at::Device device) {
+  auto b = corpus.sample_batch({.seed = f.seed, .step = step, .rank = rank}, f.batch, f.context);
+  return {b.inputs.to(device), b.targets.to(device)};
+}
+
+/// Trains the model unsharded for the same steps on the concatenation of every rank's batch (the
+/// mean loss over all ranks' tokens, whose gradient is the average of the ranks' gradients, as
+/// data parallelism computes it). Returns the loss of each step.
+std::vector<double> train_unsharded_reference(const fsdp::examples::CharCorpus& corpus,
+                                              const GPTConfig& config, const Flags& f,
+                                              int world_size, at::Device device) {
+  torch::manual_seed(f.seed);
+  GPT model(config);
+  model->to(device);
+  torch::optim::AdamW optim(model->parameters(),
+                            torch::optim::AdamWOptions(f.lr).weight_decay(0.01));
+  std::vector<double> losses;
+  for (int64_t step = 1; step <= f.steps; ++step) {
+    std::vector<at::Tensor> inputs, targets;
+    for (int q = 0; q < world_size; ++q) {
+      auto b = batch_for(corpus, f, step, q, device);
+      inputs.push_back(b.inputs);
+      targets.push_back(b.targets);
+    }
+    at::Tensor loss = fsdp::examples::next_token_loss(model(at::cat(inputs)), at::cat(targets));
+    loss.backward();
+    optim.step();
+    optim.zero_grad();
+    losses.push_back(loss.item<double>());
+  }
+  return losses;
+}
+
+int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
+  fsdp::comm::Communicator& comm = *group.comm;
+  const int rank = comm.rank();
+  const int world = comm.size();
+  const at::Device device = group.device;
+  const bool main_rank = rank == 0;
+  // The example's own reductions (the loss printed per step) go through a second communicator on
+  // the same backend, so the default one counts exactly what fully_shard communicates.
+  fsdp::comm::Communicator metrics(comm.backend(), device);
+
+  const auto corpus = fsdp::examples::CharCorpus::embedded();
+  const GPTConfig config = GPTConfig(corpus.tokenizer().vocab_size())
+                               .context_length(f.context)
+                               .d_model(f.d_model)
+                               .n_heads(f.heads)
+                               .n_layers(f.layers);
+  torch::manual_seed(f.seed);
+  GPT model(config);
+  model->to(device);
+  const StateBytes full = unsharded_bytes(*model);
+  int64_t num_params = 0;
+  for (const auto& p : model->parameters()) num_params += p.numel();
+
+  const auto strategy = to_strategy(f.strategy);
+  if (main_rank) {
+    std::printf(
+        "train_gpt: %d rank(s) (%s), device %s, backend %s, %d thread(s) per rank\n"
+        "model: GPT, %" PRId64 " blocks, d_model %" PRId64 ", %" PRId64 " heads, context %" PRId64
+        ", vocab %" PRId64 " (characters of a %zu-byte text), %" PRId64 " parameters, tied "
+        "embedding\n"
+        "fully_shard(%s) on each of the %" PRId64 " blocks and on the root; AdamW lr %g; %" PRId64
+        " steps of %" PRId64 " x %" PRId64 " tokens per rank\n\n",
+        world, fsdp::comm::to_string(group.launch.launcher), device.str().c_str(),
+        comm.backend()->getBackendName().c_str(), at::get_num_threads(), f.layers, f.d_model,
+        f.heads, f.context, config.vocab_size(), corpus.text().size(), num_params,
+        strategy_label(strategy), f.layers, f.lr, f.steps, f.batch, f.context);
+    std::fflush(stdout);
+  }
+
+  // Bottom-up: every block is a unit, then the root (embeddings, tied output layer, ln_f).
+  const auto options = fsdp::FullyShardOptions().strategy(strategy);
+  std::vector<fsdp::FSDPModule> units;
+  for (auto& block : model->block_list()) units.push_back(fsdp::fully_shard(block, options));
+  units.push_back(fsdp::fully_shard(model, options));
+
+  torch::optim::AdamW optim(model->parameters(),
+                            torch::optim::AdamWOptions(f.lr).weight_decay(0.01));
+  std::vector<double> losses;
+  StateBytes held;
+  StatsSnapshot after_first_step;
+  const StatsSnapshot before = snapshot(comm);
+  const auto train_start = Clock::now();
+  for (int64_t step = 1; step <= f.steps; ++step) {
+    const auto batch = batch_for(corpus, f, step, rank, device);
+    const auto step_start = Clock::now();
+    at::Tensor loss = fsdp::examples::next_token_loss(model(batch.inputs), batch.targets);
+    loss.backward();
+    optim.step();
+    if (step == f.steps) held = sharded_bytes(units, optim);  // before zero_grad frees the grads
+    optim.zero_grad();
+    const double step_seconds = seconds_since(step_start);
+    if (step == 1) after_first_step = snapshot(comm);
+
+    at::Tensor mean_loss = loss.detach().clone();
+    metrics.all_reduce(mean_loss, c10d::ReduceOp::AVG).wait();
+    losses.push_back(mean_loss.item<double>());
+    if (main_rank) {
+      std::printf("step %3" PRId64 "/%" PRId64 "  loss %.4f  %7.0f tokens/s\n", step, f.steps,
+                  losses.back(), static_cast<double>(world * f.batch * f.context) / step_seconds);
+      std::fflush(stdout);
+    }
+  }
+  const double train_seconds = seconds_since(train_start);
+  const StatsSnapshot after = snapshot(comm);
+
+  if (main_rank) {
+    std::printf("\ntrained %" PRId64 " steps in %.1f s\n", f.steps, train_seconds);
+    std::printf("\nper-rank memory after the last step (rank 0; unsharded = one rank without "
+                "sharding):\n");
+    auto row = [](const char* name, int64_t sharded, int64_t unsharded) {
+      std::printf("  %-34s %10" PRId64 " B  unsharded %10" PRId64 " B  ratio %.3f\n", name,
+                  sharded, unsharded,
+                  unsharded > 0 ? static_cast<double>(sharded) / static_cast<double>(unsharded)
+                                : 0.0);
+    };
+    row("parameters (local shards)", held.params, full.params);
+    row("gradients (sharded grads)", held.grads, full.grads);
+    row("AdamW state (2 moments + step)", held.optimizer, full.optimizer);
+    row("total", held.params + held.grads + held.optimizer,
+        full.params + full.grads + full.optimizer);
+
+    const bool reshard = strategy == fsdp::ShardingStrategy::kFullShard;
+    const int64_t expected_all_gathers = reshard ? 2 * f.layers + 1 : f.layers + 1;
+    std::printf("\ncollectives of fully_shard per step (rank 0):\n");
+    std::printf("  %-24s %10s %14s %18s\n", "", "calls", "bytes", "first step: calls");
+    for (const auto& [kind, total] : after) {
+      const auto& start = before.at(kind);
+      const auto& first = after_first_step.at(kind);
+      if (total.calls == start.calls) continue;
+      // Steady state: steps 2..N (step 1 also runs lazy initialisation and the sharded-use check).
+      const int64_t steady_steps = f.steps > 1 ? f.steps - 1 : 1;
+      const auto& from = f.steps > 1 ? first : start;
+      std::printf("  %-24s %10.2f %14.0f %18" PRId64 "\n", fsdp::comm::to_string(kind),
+                  static_cast<double>(total.calls - from.calls) / steady_steps,
+                  static_cast<double>(total.bytes - from.bytes) / steady_steps,
+                  first.calls - start.calls);
+    }
+    std::printf("  (per step, steps 2-%" PRId64 "; the design's count for %s: %" PRId64
+                " all-gathers = %s, %" PRId64 " reduce-scatters = one per unit)\n",
+                std::max<int64_t>(f.steps, 2), strategy_label(strategy), expected_all_gathers,
+                reshard ? "forward (blocks + root) and backward (blocks)" : "forward only",
+                f.layers + 1);
+    std::fflush(stdout);
+  }
+
+  if (!f.check_unsharded) {
+    if (main_rank) std::printf("\nfinal loss %.6f (unsharded comparison skipped)\n", losses.back());
+    return 0;
+  }
+  const auto reference_start = Clock::now();
+  const std::vector<double> reference =
+      train_unsharded_reference(corpus, config, f, world, device);
+  double max_relative = 0.0;
+  for (size_t i = 0; i < reference.size(); ++i) {
+    max_relative = std::max(max_relative, std::abs(losses[i] - reference[i]) / std::abs(reference[i]));
+  }
+  const double final_relative = std::abs(losses.back() - reference.back()) / std::abs(reference.back());
+  const bool agree = final_relative <= kParityTolerance;
+  if (main_rank) {
+    std::printf(
+        "\nfinal loss: sharded %.6f, unsharded reference %.6f (same seed, all %d ranks' batches "
+        "each step, trained in %.1f s)\n"
+        "relative difference %.2e (largest over the %" PRId64 " steps %.2e): %s within %.0e\n",
+        losses.back(), reference.back(), world, seconds_since(reference_start), final_relative,
+        f.steps, max_relative, agree ? "agree" : "DO NOT agree", kParityTolerance);
+  }
+  return agree ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  fsdp::comm::ProcessGroup group;
+  try {
+    group = fsdp::comm::init_process_group();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_gpt: cannot set up communication: %s\n", e.what());
+    return 1;
+  }
+  const int rank = group.comm->rank();
+
+  Flags flags;
+  try {
+    flags = parse_flags(argc, argv);
+  } catch (const std::invalid_argument& e) {
+    if (rank == 0) std::fprintf(stderr, "train_gpt: %s\n\n%s", e.what(), kUsage);
+    return 2;
+  }
+  if (flags.help) {
+    if (rank == 0) std::printf("%s", kUsage);
+    return 0;
+  }
+  // Ranks of one machine share its cores: one intra-op thread each unless told otherwise.
+  at::set_num_threads(static_cast<int>(flags.threads));
+
+  try {
+    return run(flags, group);
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "train_gpt: error on rank %d: %s\n", rank, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_gpt: error on rank %d: %s\n", rank, e.what());
+  }
+  return 1;
+}
