@@ -98,6 +98,9 @@ class FSDPState final : public contract::ApiState {
 
   // Per-iteration bookkeeping used by the runtime.
   int pending_post_backward = 0;   // RegisterPostBackward nodes not yet run this iteration
+  // Forward calls this iteration whose inputs needed no gradient: their backward cannot be seen
+  // ending, so the unit's post-backward waits for the end of backward.
+  int forward_calls_without_post_backward = 0;
   bool pre_backward_done = false;  // this iteration's pre-backward ran
   bool reduced = false;            // this iteration's gradients were reduce-scattered
   bool ran_forward = false;        // pre-forward ran this iteration

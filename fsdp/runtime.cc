@@ -186,6 +186,7 @@ void root_pre_forward(RootContext& context) {
   context.reduced_from_back = 0;
   for (FSDPState* unit : context.states) {
     unit->pending_post_backward = 0;
+    unit->forward_calls_without_post_backward = 0;
     unit->pre_backward_done = false;
     unit->reduced = false;
     unit->ran_forward = false;
@@ -268,7 +269,8 @@ void pre_backward(FSDPState& unit) {
 
 void post_backward(void* arg) {
   FSDPState& unit = *static_cast<FSDPState*>(arg);
-  if (--unit.pending_post_backward > 0) return;  // another forward call's backward is to come
+  // Another forward call's backward is to come, or one that cannot be seen ending.
+  if (--unit.pending_post_backward > 0 || unit.forward_calls_without_post_backward > 0) return;
   if (unit.training_state() == TrainingState::kPostBackward) return;
   unit.set_training_state(TrainingState::kPostBackward);
   if (!keeps_unsharded_after_backward(unit)) unit.reshard();
@@ -299,7 +301,10 @@ void pre_forward(FSDPState& state, contract::ForwardArgs& args) {
       if (t.requires_grad()) needs_grad.push_back(t);
     });
   }
-  if (needs_grad.empty()) return;
+  if (needs_grad.empty()) {
+    ++state.forward_calls_without_post_backward;
+    return;
+  }
   std::vector<at::Tensor> routed = register_post_backward(needs_grad, &post_backward, &state);
   size_t next = 0;
   for (auto& arg : args) {

@@ -3,6 +3,7 @@
 // forward hooks with one line each, children called through their holders.
 
 #include <torch/nn/functional/activation.h>
+#include <torch/nn/modules/activation.h>
 #include <torch/nn/module.h>
 
 #include "contract/hookable_module_holder.h"
@@ -82,5 +83,81 @@ struct BranchImpl : torch::nn::Module {
   contract::Linear v{nullptr};
 };
 FSDP_HOOKABLE_MODULE(Branch);
+
+/// Hook-able ReLU: a parameter-free module.
+FSDP_HOOKABLE_MODULE_IMPL(ReLU, torch::nn::ReLUImpl);
+
+/// head(relu(shared(relu(shared(x))))): `shared` runs twice in one forward.
+struct TwiceImpl : torch::nn::Module {
+  explicit TwiceImpl(int64_t dim) {
+    shared = register_module("shared", contract::Linear(dim, dim));
+    act = register_module("act", ReLU());
+    head = register_module("head", contract::Linear(dim, dim));
+  }
+  torch::Tensor forward(torch::Tensor x) { return head(act(shared(act(shared(x))))); }
+  contract::Linear shared{nullptr};
+  ReLU act{nullptr};
+  contract::Linear head{nullptr};
+};
+FSDP_HOOKABLE_MODULE(Twice);
+
+/// c(relu(b(relu(a(x))))): a and b form one unit of siblings.
+struct SiblingsImpl : torch::nn::Module {
+  explicit SiblingsImpl(int64_t dim) {
+    a = register_module("a", contract::Linear(dim, 2 * dim));
+    b = register_module("b", contract::Linear(2 * dim, dim));
+    c = register_module("c", contract::Linear(dim, dim));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    return c(torch::relu(b(torch::relu(a(x)))));
+  }
+  contract::Linear a{nullptr}, b{nullptr}, c{nullptr};
+};
+FSDP_HOOKABLE_MODULE(Siblings);
+
+/// x @ weight, where `weight` is a tensor registered elsewhere too (a tied projection).
+struct ProjectionImpl : torch::nn::Module {
+  explicit ProjectionImpl(torch::Tensor tied) { weight = register_parameter("weight", tied); }
+  torch::Tensor forward(torch::Tensor x) { return x.matmul(weight); }
+  torch::Tensor weight;
+};
+FSDP_HOOKABLE_MODULE(Projection);
+
+/// proj(relu(mid(enc(x)))) with proj.weight == enc.weight (tied, like an embedding and the output
+/// projection of a language model).
+struct TiedImpl : torch::nn::Module {
+  TiedImpl(int64_t in, int64_t hidden) {
+    enc = register_module("enc", contract::Linear(in, hidden));
+    mid = register_module("mid", contract::Linear(hidden, hidden));
+    proj = register_module("proj", Projection(enc->weight));
+  }
+  torch::Tensor forward(torch::Tensor x) { return proj(torch::relu(mid(enc(x)))); }
+  contract::Linear enc{nullptr}, mid{nullptr};
+  Projection proj{nullptr};
+};
+FSDP_HOOKABLE_MODULE(Tied);
+
+/// b(a(x)), or a(b(x)) when `swap`: the order of two units depends on the caller.
+struct OrderImpl : torch::nn::Module {
+  explicit OrderImpl(int64_t dim) {
+    a = register_module("a", contract::Linear(dim, dim));
+    b = register_module("b", contract::Linear(dim, dim));
+  }
+  torch::Tensor forward(torch::Tensor x, bool swap) { return swap ? a(b(x)) : b(a(x)); }
+  contract::Linear a{nullptr}, b{nullptr};
+};
+FSDP_HOOKABLE_MODULE(Order);
+
+/// A Linear with a buffer (like normalisation statistics).
+struct WithBufferImpl : torch::nn::Module {
+  explicit WithBufferImpl(int64_t dim) {
+    fc = register_module("fc", contract::Linear(dim, dim));
+    running = register_buffer("running", torch::randn({dim}));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc(x) + running; }
+  contract::Linear fc{nullptr};
+  torch::Tensor running;
+};
+FSDP_HOOKABLE_MODULE(WithBuffer);
 
 }  // namespace fsdp::testing
