@@ -78,8 +78,13 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
                   registry.describe(*modules[i]), " is inside ", registry.describe(*modules[j]));
     }
   }
-  std::shared_ptr<comm::Communicator> comm = options.communicator();
+  TORCH_CHECK(!(options.mesh() && options.communicator()), "fully_shard: give either a "
+              "communicator or a mesh (hybrid sharding), not both");
+  std::shared_ptr<comm::Communicator> comm =
+      options.mesh() ? options.mesh()->shard_group() : options.communicator();
   if (!comm) comm = comm::default_process_group().comm;
+  TORCH_CHECK(!options.mesh() || options.strategy() != ShardingStrategy::kNoShard,
+              "fully_shard: NO_SHARD with a mesh: use a mesh of shard size 1 instead");
   std::string fqn;
   for (auto* m : modules) fqn += (fqn.empty() ? "" : " + ") + registry.describe(*m);
 
@@ -113,12 +118,15 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
   config.comm = comm;
   config.handle.shard = options.strategy() != ShardingStrategy::kNoShard;
   config.handle.device = target;
+  if (options.mesh()) config.handle.replicate = options.mesh()->replicate_group();
   config.reshard_after_forward = options.strategy() == ShardingStrategy::kFullShard;
 
   if (options.sync_module_states()) {
     std::vector<at::Tensor> tensors;
     for (const auto& p : params) tensors.push_back(p.param);
     tensors.insert(tensors.end(), buffers.begin(), buffers.end());
+    // With a mesh: world rank 0 -> the first rank of every shard group -> every rank.
+    if (options.mesh()) broadcast_from_rank0(tensors, *options.mesh()->replicate_group());
     broadcast_from_rank0(tensors, *comm);
   }
   if (!buffers.empty() && buffers.front().device() != target) {

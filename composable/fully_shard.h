@@ -27,6 +27,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "comm/communicator.h"
+#include "comm/device_mesh.h"
 #include "fsdp/fsdp_state.h"
 
 namespace fsdp {
@@ -53,6 +54,9 @@ struct FullyShardOptions {
   /// Broadcast rank 0's parameters and buffers before sharding, so that ranks which initialised
   /// differently start equal.
   TORCH_ARG(bool, sync_module_states) = false;
+  /// Hybrid sharding (HSDP): shard inside the mesh's shard groups, all-reduce gradients across its
+  /// replicate groups (fsdp::comm::DeviceMesh::hybrid). Excludes `communicator`.
+  TORCH_ARG(std::shared_ptr<comm::DeviceMesh>, mesh) = nullptr;
   /// The device the shards (and the module's buffers) live on, e.g. cuda:LOCAL_RANK for a model
   /// built on the CPU: only the shards move. Default: where the parameters are.
   TORCH_ARG(std::optional<at::Device>, device) = std::nullopt;

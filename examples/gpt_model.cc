@@ -75,8 +75,8 @@ at::Tensor BlockImpl::forward(at::Tensor x) {
 GPTImpl::GPTImpl(GPTConfig config) : config_(std::move(config)) {
   config_.validate();
   const int64_t d = config_.d_model();
-  tok_emb = register_module("tok_emb",
-                            contract::Embedding(torch::nn::EmbeddingOptions(config_.vocab_size(), d)));
+  tok_emb = register_module(
+      "tok_emb", contract::Embedding(torch::nn::EmbeddingOptions(config_.vocab_size(), d)));
   pos_emb = register_module(
       "pos_emb", contract::Embedding(torch::nn::EmbeddingOptions(config_.context_length(), d)));
   blocks = register_module("blocks", contract::ModuleList());
@@ -111,7 +111,8 @@ at::Tensor GPTImpl::forward(at::Tensor tokens) {
   TORCH_CHECK(time <= config_.context_length(), "GPT::forward: sequence of ", time,
               " tokens is longer than the context length ", config_.context_length());
   const at::Tensor positions = at::arange(time, tokens.options());
-  at::Tensor x = at::dropout(tok_emb(tokens) + pos_emb(positions), config_.dropout(), is_training());
+  at::Tensor x =
+      at::dropout(tok_emb(tokens) + pos_emb(positions), config_.dropout(), is_training());
   for (const auto& block : *blocks) x = block.forward(x);
   // The output layer shares the token embedding's weight ([Note: tied embedding]).
   return ln_f(x).matmul(tok_emb->weight.t());

@@ -7,7 +7,7 @@
 //   fsdp::examples::GPT model(fsdp::examples::GPTConfig(/*vocab_size=*/64).n_layers(4));
 //   for (auto& block : model->block_list()) fsdp::fully_shard(block, opts);   // bottom-up
 //   fsdp::fully_shard(model, opts);                                            // the root last
-//   at::Tensor logits = model(tokens);                      // [batch, time] -> [batch, time, vocab]
+//   at::Tensor logits = model(tokens);          // [batch, time] -> [batch, time, vocab]
 //   at::Tensor loss = fsdp::examples::next_token_loss(logits, targets);
 //
 // Structure and FQNs (GPT-2 layout, pre-LayerNorm):

@@ -17,10 +17,8 @@
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <exception>
 #include <map>
-#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -46,7 +44,8 @@ using fsdp::examples::GPTConfig;
 constexpr double kParityTolerance = 1e-3;  // relative, on the final loss
 constexpr double kWeightDecay = 0.01;
 
-constexpr const char* kUsage = R"(usage: train_gpt [flags]   (launch with mpirun, or tools/example.sh)
+constexpr const char* kUsage =
+    R"(usage: train_gpt [flags]   (launch with mpirun, or tools/example.sh)
   --steps N              optimizer steps (default 100)
   --layers N             transformer blocks (default 4)
   --d-model N            residual width, a multiple of --heads (default 128)
@@ -147,7 +146,8 @@ Flags parse_flags(int argc, char** argv) {
   }
   if (f.d_model % f.heads != 0) {
     throw std::invalid_argument("--d-model (" + std::to_string(f.d_model) +
-                                ") must be a multiple of --heads (" + std::to_string(f.heads) + ")");
+                                ") must be a multiple of --heads (" + std::to_string(f.heads) +
+                                ")");
   }
   return f;
 }
@@ -387,10 +387,14 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
                   static_cast<double>(total.bytes - from.bytes) / steady_steps,
                   first.calls - start.calls);
     }
-    std::printf("  (per step over steps 2-%" PRId64 "; step 1 adds lazy initialisation and the "
-                "sharded-use check)\n  design for %s with %" PRId64 " units: %s\n",
-                std::max<int64_t>(f.steps, 2), strategy_label(strategy), f.layers + 1,
-                expected_collectives(strategy, f.layers).c_str());
+    if (f.steps > 1) {
+      std::printf("  (per step over steps 2-%" PRId64 "; step 1 adds lazy initialisation and "
+                  "the sharded-use check)\n", f.steps);
+    } else {
+      std::printf("  (the only step, with lazy initialisation and the sharded-use check)\n");
+    }
+    std::printf("  design for %s with %" PRId64 " units: %s\n", strategy_label(strategy),
+                f.layers + 1, expected_collectives(strategy, f.layers).c_str());
     std::fflush(stdout);
   }
 
@@ -401,26 +405,28 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
   const auto reference_start = Clock::now();
   const std::vector<double> reference =
       train_unsharded_reference(corpus, config, f, world, device);
+  auto relative_difference = [&](size_t i) {
+    return std::abs(losses[i] - reference[i]) / std::abs(reference[i]);
+  };
   double max_relative = 0.0;
   for (size_t i = 0; i < reference.size(); ++i) {
-    max_relative = std::max(max_relative, std::abs(losses[i] - reference[i]) / std::abs(reference[i]));
+    max_relative = std::max(max_relative, relative_difference(i));
   }
-  const double final_relative = std::abs(losses.back() - reference.back()) / std::abs(reference.back());
+  const double final_relative = relative_difference(reference.size() - 1);
   const bool agree = final_relative <= kParityTolerance;
   if (main_rank) {
     std::printf(
-        "\nfinal loss: fully_shard %.6f, unsharded reference %.6f (same seed, all %d ranks' batches "
-        "each step, trained in %.1f s)\n"
+        "\nfinal loss: fully_shard %.6f, unsharded reference %.6f (same seed, all %d ranks' "
+        "batches each step, trained in %.1f s)\n"
         "relative difference %.2e (largest over the %" PRId64 " steps %.2e): %s within %.0e\n",
         losses.back(), reference.back(), world, seconds_since(reference_start), final_relative,
         f.steps, max_relative, agree ? "agree" : "DO NOT agree", kParityTolerance);
     if (!agree) {
-      const double first_relative = std::abs(losses[0] - reference[0]) / std::abs(reference[0]);
       std::printf(
           "step 1 relative difference %.2e: a difference already there in the first steps "
           "points at wrong sharded gradients; one that starts near 1e-7 and grows step after "
           "step is rounding amplified by unstable training (try a lower --lr)\n",
-          first_relative);
+          relative_difference(0));
     }
   }
   return agree ? 0 : 1;

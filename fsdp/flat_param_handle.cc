@@ -278,6 +278,11 @@ void FlatParamHandle::finalize_gradients() {
   reduce_input_ = at::Tensor();
   c10::NoGradGuard no_grad;
   reduce_output_.div_(comm_->size());
+  if (options_.replicate && options_.replicate->size() > 1) {
+    // Hybrid sharding: average the shard-group gradients across the replicate group.
+    options_.replicate->all_reduce(reduce_output_, c10d::ReduceOp::SUM, unit_fqn_).wait();
+    reduce_output_.div_(options_.replicate->size());
+  }
   if (saved_grad_.defined()) reduce_output_.add_(saved_grad_);
   sharded_grad_ = reduce_output_;
   reduce_output_ = at::Tensor();

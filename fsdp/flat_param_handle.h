@@ -42,6 +42,9 @@ struct FlatParamHandleOptions {
   /// Where the shard lives (default: the parameters' device). A model built on the CPU moves only
   /// its shards to the target device.
   std::optional<at::Device> device;
+  /// Hybrid sharding: the replicate group across which the sharded gradient is all-reduced after
+  /// the reduce-scatter inside the handle's (shard group) communicator. Null otherwise.
+  std::shared_ptr<comm::Communicator> replicate;
 };
 
 class FlatParamHandle {

@@ -381,3 +381,22 @@ FSDP_RANKS_TEST_CASE("sync_module_states starts every rank from rank 0's paramet
   const at::Tensor x = at::randn({2, 4});
   CHECK(at::allclose(model(x), rank0(x), 1e-6, 1e-6));
 }
+
+FSDP_RANKS_TEST_CASE("hybrid sharding trains like the reference on every mesh of the world", "[unit_model][hybrid]") {
+  const int W = world_size();
+  for (int shard_size = 1; shard_size <= W; ++shard_size) {
+    if (W % shard_size != 0) continue;
+    INFO("mesh " << W / shard_size << " replicate groups x " << shard_size << " ranks per shard group");
+    auto mesh = fsdp::comm::DeviceMesh::hybrid(world(), shard_size);
+    CHECK(mesh->shard_group()->size() == shard_size);
+    CHECK(mesh->replicate_group()->size() == W / shard_size);
+    CHECK(mesh->shard_group()->rank() == rank() % shard_size);
+    ParityOptions o = strategy(ShardingStrategy::kFullShard, Optim::kAdamW);
+    o.shard_options.mesh(mesh);
+    fsdp::testing::run_parity(mlp_stack("HSDP"), o);
+  }
+  if (W == 4) {
+    CHECK_THROWS_WITH(fsdp::comm::DeviceMesh::hybrid(world(), 3),
+                      Contains("shard size 3 does not divide the world size 4") && Contains("1, 2, 4"));
+  }
+}

@@ -53,6 +53,8 @@ CollectiveCounts expected_counts(const std::vector<fsdp::FSDPModule>& units, int
       const bool reshards = config.reshard_after_forward && !is_root;
       counts.all_gathers += reshards ? forward_calls_per_unit + 1 : 1;
       counts.reduce_scatters += h->requires_grad() ? 1 : 0;
+      const auto& replicate = config.handle.replicate;
+      counts.all_reduces += replicate && replicate->size() > 1 && h->requires_grad() ? 1 : 0;
     }
   }
   return counts;
@@ -82,9 +84,20 @@ void run_parity(const Scenario& scenario, const ParityOptions& options) {
   };
   std::unique_ptr<torch::optim::Optimizer> opt;
   if (options.optimizer_before_shard) opt = build_optimizer(*sharded.module);
-  auto comm = std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU);
   auto shard_options = options.shard_options;
-  shard_options.communicator(comm);
+  std::vector<std::shared_ptr<fsdp::comm::Communicator>> comms;  // whose collectives are counted
+  if (shard_options.mesh()) {
+    comms = {shard_options.mesh()->shard_group(), shard_options.mesh()->replicate_group()};
+    for (auto& c : comms) c->reset_stats();
+  } else {
+    comms = {std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU)};
+    shard_options.communicator(comms[0]);
+  }
+  auto calls = [&](CollectiveKind kind) {
+    int64_t n = 0;
+    for (const auto& c : comms) n += c->stats(kind).calls;
+    return n;
+  };
   auto units = sharded.shard(shard_options);
   REQUIRE(!units.empty());
   CHECK(keys_of(*sharded.module) == keys_before);
@@ -104,9 +117,9 @@ void run_parity(const Scenario& scenario, const ParityOptions& options) {
 
   const int64_t rows = 5;
   for (int64_t it = 0; it < options.iterations; ++it) {
-    const auto ag_before = comm->stats(CollectiveKind::kAllGather).calls;
-    const auto rs_before = comm->stats(CollectiveKind::kReduceScatter).calls;
-    const auto ar_before = comm->stats(CollectiveKind::kAllReduce).calls;
+    const auto ag_before = calls(CollectiveKind::kAllGather);
+    const auto rs_before = calls(CollectiveKind::kReduceScatter);
+    const auto ar_before = calls(CollectiveKind::kAllReduce);
     at::Tensor loss;
     for (int m = 0; m < options.micro_batches; ++m) {
       const int64_t step = it * options.micro_batches + m;
@@ -139,10 +152,9 @@ void run_parity(const Scenario& scenario, const ParityOptions& options) {
     }
     if (it == 0) per_pass = expected_counts(units, 1 + scenario.extra_forward_calls);
     if (it >= 1) {
-      CHECK(comm->stats(CollectiveKind::kAllGather).calls - ag_before == options.micro_batches * per_pass.all_gathers);
-      CHECK(comm->stats(CollectiveKind::kReduceScatter).calls - rs_before ==
-            options.micro_batches * per_pass.reduce_scatters);
-      CHECK(comm->stats(CollectiveKind::kAllReduce).calls - ar_before == options.micro_batches * per_pass.all_reduces);
+      CHECK(calls(CollectiveKind::kAllGather) - ag_before == options.micro_batches * per_pass.all_gathers);
+      CHECK(calls(CollectiveKind::kReduceScatter) - rs_before == options.micro_batches * per_pass.reduce_scatters);
+      CHECK(calls(CollectiveKind::kAllReduce) - ar_before == options.micro_batches * per_pass.all_reduces);
     }
   }
 
