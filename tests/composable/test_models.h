@@ -160,4 +160,62 @@ struct WithBufferImpl : torch::nn::Module {
 };
 FSDP_HOOKABLE_MODULE(WithBuffer);
 
+/// logits = x @ weight^T with `weight` registered here too: the output projection tied to the
+/// token embedding.
+struct TiedHeadImpl : torch::nn::Module {
+  explicit TiedHeadImpl(torch::Tensor tied) { weight = register_parameter("weight", tied); }
+  torch::Tensor forward(torch::Tensor x) { return x.matmul(weight.t()); }
+  torch::Tensor weight;
+};
+FSDP_HOOKABLE_MODULE(TiedHead);
+
+/// Pre-LayerNorm transformer block on [time, batch, d]: MultiheadAttention with a causal mask,
+/// then a GELU MLP.
+struct TransformerBlockImpl : torch::nn::Module {
+  TransformerBlockImpl(int64_t d, int64_t heads) {
+    ln1 = register_module("ln1", contract::LayerNorm(torch::nn::LayerNormOptions({d})));
+    attn = register_module("attn", contract::MultiheadAttention(d, heads));
+    ln2 = register_module("ln2", contract::LayerNorm(torch::nn::LayerNormOptions({d})));
+    fc1 = register_module("fc1", contract::Linear(d, 4 * d));
+    fc2 = register_module("fc2", contract::Linear(4 * d, d));
+  }
+  torch::Tensor forward(torch::Tensor x, torch::Tensor causal_mask) {
+    torch::Tensor h = ln1(x);
+    auto attended = attn(h, h, h, torch::Tensor(), false, causal_mask);
+    x = x + std::get<0>(attended);
+    return x + fc2(torch::gelu(fc1(ln2(x))));
+  }
+  contract::LayerNorm ln1{nullptr}, ln2{nullptr};
+  contract::MultiheadAttention attn{nullptr};
+  contract::Linear fc1{nullptr}, fc2{nullptr};
+};
+FSDP_HOOKABLE_MODULE(TransformerBlock);
+
+/// A small GPT: token embedding tied to the output projection, learned positions, transformer
+/// blocks, final LayerNorm. tokens [batch, time] -> logits [batch, time, vocab].
+struct TinyGptImpl : torch::nn::Module {
+  TinyGptImpl(int64_t vocab, int64_t context, int64_t d, int64_t heads, int64_t layers) {
+    tok = register_module("tok", contract::Embedding(torch::nn::EmbeddingOptions(vocab, d)));
+    pos = register_parameter("pos", torch::randn({context, d}) * 0.02);
+    blocks = register_module("blocks", contract::ModuleList());
+    for (int64_t i = 0; i < layers; ++i) blocks->push_back(TransformerBlock(d, heads));
+    ln_f = register_module("ln_f", contract::LayerNorm(torch::nn::LayerNormOptions({d})));
+    head = register_module("head", TiedHead(tok->weight));
+  }
+  torch::Tensor forward(torch::Tensor tokens) {
+    const int64_t T = tokens.size(1);
+    torch::Tensor x = (tok(tokens) + pos.narrow(0, 0, T)).transpose(0, 1);
+    torch::Tensor mask = torch::ones({T, T}, torch::kBool).triu(1);
+    for (const auto& block : *blocks) x = block.forward<torch::Tensor>(x, mask);
+    return head(ln_f(x).transpose(0, 1));
+  }
+  TransformerBlock block(size_t i) const { return blocks->at<TransformerBlock>(i); }
+  contract::Embedding tok{nullptr};
+  torch::Tensor pos;
+  contract::ModuleList blocks{nullptr};
+  contract::LayerNorm ln_f{nullptr};
+  TiedHead head{nullptr};
+};
+FSDP_HOOKABLE_MODULE(TinyGpt);
+
 }  // namespace fsdp::testing
