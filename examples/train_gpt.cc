@@ -300,8 +300,7 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
                                .n_heads(f.heads)
                                .n_layers(f.layers);
   torch::manual_seed(f.seed);
-  GPT model(config);
-  model->to(device);
+  GPT model(config);  // built on the CPU: fully_shard moves only the shards to `device`
   const StateBytes full = unsharded_bytes(*model);
   int64_t num_params = 0;
   for (const auto& p : model->parameters()) num_params += p.numel();
@@ -323,7 +322,7 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
   }
 
   // Bottom-up: every block is a unit, then the root (embeddings, tied output layer, ln_f).
-  const auto options = fsdp::FullyShardOptions().strategy(strategy);
+  const auto options = fsdp::FullyShardOptions().strategy(strategy).device(device);
   std::vector<fsdp::FSDPModule> units;
   for (auto& block : model->block_list()) units.push_back(fsdp::fully_shard(block, options));
   units.push_back(fsdp::fully_shard(model, options));
