@@ -119,6 +119,10 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
   config.handle.shard = options.strategy() != ShardingStrategy::kNoShard;
   config.handle.device = target;
   if (options.mesh()) config.handle.replicate = options.mesh()->replicate_group();
+  const MixedPrecision& mp = options.mixed_precision();
+  config.handle.param_dtype = mp.param_dtype();
+  config.handle.reduce_dtype = mp.reduce_dtype();
+  if (mp.param_dtype() && mp.cast_forward_inputs()) config.cast_forward_inputs_to = mp.param_dtype();
   config.reshard_after_forward = options.strategy() == ShardingStrategy::kFullShard;
 
   if (options.sync_module_states()) {
@@ -129,9 +133,12 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
     if (options.mesh()) broadcast_from_rank0(tensors, *options.mesh()->replicate_group());
     broadcast_from_rank0(tensors, *comm);
   }
-  if (!buffers.empty() && buffers.front().device() != target) {
+  {
     c10::NoGradGuard no_grad;
-    for (auto& b : buffers) b.set_data(b.to(target));
+    for (auto& b : buffers) {
+      const bool cast = mp.buffer_dtype() && at::isFloatingType(b.scalar_type());
+      if (b.device() != target || cast) b.set_data(b.to(target, cast ? *mp.buffer_dtype() : b.scalar_type()));
+    }
   }
 
   std::shared_ptr<FSDPState> state;

@@ -42,6 +42,24 @@ enum class ShardingStrategy {
   kNoShard,
 };
 
+/// Mixed precision (FSDP's MixedPrecision): parameters all-gathered and computed in `param_dtype`,
+/// gradients reduced in `reduce_dtype`; the sharded parameters, the gradients after sync and the
+/// optimizer state stay in full precision.
+///
+///   fsdp::FullyShardOptions().mixed_precision(
+///       fsdp::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
+struct MixedPrecision {
+  /// The dtype of the unsharded parameters (all-gathers carry it). Unset: no mixed precision.
+  TORCH_ARG(std::optional<c10::ScalarType>, param_dtype) = std::nullopt;
+  /// The dtype gradients are reduce-scattered (all-reduced) in. Unset: param_dtype if set.
+  /// While accumulating without sync, gradients are kept in this dtype.
+  TORCH_ARG(std::optional<c10::ScalarType>, reduce_dtype) = std::nullopt;
+  /// The dtype the module's floating-point buffers are cast to. Unset: unchanged.
+  TORCH_ARG(std::optional<c10::ScalarType>, buffer_dtype) = std::nullopt;
+  /// Cast floating-point forward inputs to param_dtype in pre-forward.
+  TORCH_ARG(bool, cast_forward_inputs) = true;
+};
+
 /// Options of fully_shard, in the LibTorch style:
 ///
 ///   fsdp::fully_shard(*block, fsdp::FullyShardOptions().reshard_after_forward(false));
@@ -57,6 +75,8 @@ struct FullyShardOptions {
   /// Hybrid sharding (HSDP): shard inside the mesh's shard groups, all-reduce gradients across its
   /// replicate groups (fsdp::comm::DeviceMesh::hybrid). Excludes `communicator`.
   TORCH_ARG(std::shared_ptr<comm::DeviceMesh>, mesh) = nullptr;
+  /// Mixed precision (see MixedPrecision).
+  TORCH_ARG(MixedPrecision, mixed_precision) = {};
   /// The device the shards (and the module's buffers) live on, e.g. cuda:LOCAL_RANK for a model
   /// built on the CPU: only the shards move. Default: where the parameters are.
   TORCH_ARG(std::optional<at::Device>, device) = std::nullopt;

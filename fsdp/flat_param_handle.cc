@@ -66,10 +66,20 @@ FlatParamHandle::FlatParamHandle(std::vector<OrigParam> params,
   }
   const int world = options_.shard ? comm_->size() : 1;
   const int rank = options_.shard ? comm_->rank() : 0;
-  layout_ = make_flat_param_layout(layout_inputs(params_), dtype, world);
+  compute_dtype_ = options_.param_dtype.value_or(dtype);
+  reduce_dtype_ = options_.reduce_dtype.value_or(compute_dtype_);
+  mixed_precision_ = compute_dtype_ != dtype;
+  TORCH_CHECK(at::isFloatingType(compute_dtype_) && at::isFloatingType(reduce_dtype_),
+              "fully_shard: mixed precision of '", unit_fqn_, "' needs floating-point dtypes, got "
+              "param_dtype ", compute_dtype_, " and reduce_dtype ", reduce_dtype_);
+  // Alignment in the compute dtype, so the all-gathered buffer's views start on 16-byte boundaries.
+  layout_ = make_flat_param_layout(layout_inputs(params_), mixed_precision_ ? compute_dtype_ : dtype, world);
+  layout_.dtype = dtype;
   const auto tensor_options = at::TensorOptions().dtype(dtype).device(options_.device.value_or(device));
   local_shard_ = at::zeros({layout_.shard_numel()}, tensor_options);
-  padded_unsharded_ = at::empty({options_.shard ? layout_.padded_numel : 0}, tensor_options);
+  if (mixed_precision_) low_precision_shard_ = at::empty({layout_.shard_numel()}, tensor_options.dtype(compute_dtype_));
+  padded_unsharded_ = at::empty({needs_unsharded_buffer() ? layout_.padded_numel : 0},
+                                tensor_options.dtype(compute_dtype_));
   std::vector<at::Tensor> full_grads(params_.size());
   for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
     slices_.push_back(layout_.slice_of(i, rank));
@@ -159,22 +169,37 @@ void FlatParamHandle::start_unshard() {
   if (unsharded_ || pending_unshard_.valid() || !options_.shard) return;
   write_back_replaced_data();
   resize_storage(padded_unsharded_, layout_.padded_numel * padded_unsharded_.element_size());
-  pending_unshard_ = comm_->all_gather_into_tensor(padded_unsharded_, local_shard_, unit_fqn_);
+  const at::Tensor* source = &local_shard_;
+  if (mixed_precision_) {
+    c10::NoGradGuard no_grad;
+    low_precision_shard_.copy_(local_shard_);  // all-gathered in the compute dtype
+    source = &low_precision_shard_;
+  }
+  pending_unshard_ = comm_->all_gather_into_tensor(padded_unsharded_, *source, unit_fqn_);
 }
 
 void FlatParamHandle::unshard() {
   check_params_unchanged();
-  if (!options_.shard) {
+  if (!needs_unsharded_buffer()) {  // NO_SHARD in full precision: always "unsharded"
     write_back_replaced_data();
     return;
   }
   if (unsharded_) return;
-  start_unshard();
-  pending_unshard_.wait();
-  pending_unshard_ = {};
+  if (options_.shard) {
+    start_unshard();
+    pending_unshard_.wait();
+    pending_unshard_ = {};
+  } else {  // NO_SHARD with mixed precision: a low-precision copy, no collective
+    write_back_replaced_data();
+    resize_storage(padded_unsharded_, layout_.padded_numel * padded_unsharded_.element_size());
+    c10::NoGradGuard no_grad;
+    padded_unsharded_.copy_(local_shard_);
+  }
   use_unsharded_views();
   unsharded_ = true;
 }
+
+bool FlatParamHandle::needs_unsharded_buffer() const { return options_.shard || mixed_precision_; }
 
 void FlatParamHandle::reshard() {
   if (!unsharded_ && !pending_unshard_.valid()) return;
@@ -236,11 +261,24 @@ void FlatParamHandle::prepare_gradients_for_backward() {
   sharded_grad_ = at::Tensor();
 }
 
+namespace {
+
+// The division by the world size split into a factor before the reduction and one after, so a
+// 16-bit sum neither overflows nor underflows (FSDP's predivide factor); 1 and W otherwise.
+std::pair<double, double> divide_factors(int world, c10::ScalarType reduce_dtype) {
+  if (c10::elementSize(reduce_dtype) >= 4) return {1.0, static_cast<double>(world)};
+  int factor = 1;
+  while (world % factor == 0 && world / factor > factor) factor *= 2;
+  return {static_cast<double>(factor), static_cast<double>(world) / factor};
+}
+
+}  // namespace
+
 void FlatParamHandle::reduce_gradients(bool sync) {
   if (!requires_grad_) return;
   finalize_gradients();  // one reduction in flight per handle
-  at::Tensor flat = accumulated_grad_.defined() ? accumulated_grad_
-                                                : at::zeros({layout_.padded_numel}, local_shard_.options());
+  const auto reduce_options = local_shard_.options().dtype(reduce_dtype_);
+  at::Tensor flat = accumulated_grad_.defined() ? accumulated_grad_ : at::zeros({layout_.padded_numel}, reduce_options);
   accumulated_grad_ = at::Tensor();
   {
     c10::NoGradGuard no_grad;
@@ -260,9 +298,12 @@ void FlatParamHandle::reduce_gradients(bool sync) {
     accumulated_grad_ = flat;
     return;
   }
+  const auto [pre, post] = divide_factors(comm_->size(), reduce_dtype_);
+  if (pre != 1.0) flat.div_(pre);
+  post_divide_ = post;
   reduce_input_ = flat;
   if (options_.shard) {
-    reduce_output_ = at::empty({layout_.shard_numel()}, local_shard_.options());
+    reduce_output_ = at::empty({layout_.shard_numel()}, reduce_options);
     pending_reduce_ = comm_->reduce_scatter_tensor(reduce_output_, reduce_input_,
                                                    c10d::ReduceOp::SUM, unit_fqn_);
   } else {
@@ -277,15 +318,17 @@ void FlatParamHandle::finalize_gradients() {
   pending_reduce_ = {};
   reduce_input_ = at::Tensor();
   c10::NoGradGuard no_grad;
-  reduce_output_.div_(comm_->size());
+  // Gradients are in the parameters' dtype after sync, whatever dtype they were reduced in.
+  at::Tensor grad = reduce_output_.to(local_shard_.scalar_type());
+  reduce_output_ = at::Tensor();
+  grad.div_(post_divide_);
   if (options_.replicate && options_.replicate->size() > 1) {
     // Hybrid sharding: average the shard-group gradients across the replicate group.
-    options_.replicate->all_reduce(reduce_output_, c10d::ReduceOp::SUM, unit_fqn_).wait();
-    reduce_output_.div_(options_.replicate->size());
+    options_.replicate->all_reduce(grad, c10d::ReduceOp::SUM, unit_fqn_).wait();
+    grad.div_(options_.replicate->size());
   }
-  if (saved_grad_.defined()) reduce_output_.add_(saved_grad_);
-  sharded_grad_ = reduce_output_;
-  reduce_output_ = at::Tensor();
+  if (saved_grad_.defined()) grad.add_(saved_grad_);
+  sharded_grad_ = grad;
   saved_grad_ = at::Tensor();
   set_sharded_grad_views();
 }

@@ -45,6 +45,12 @@ struct FlatParamHandleOptions {
   /// Hybrid sharding: the replicate group across which the sharded gradient is all-reduced after
   /// the reduce-scatter inside the handle's (shard group) communicator. Null otherwise.
   std::shared_ptr<comm::Communicator> replicate;
+  /// Mixed precision: the dtype parameters are all-gathered and computed in (a low-precision copy
+  /// of the shard; the shard itself, the gradients after sync and the optimizer state stay in the
+  /// parameters' dtype). Unset: the parameters' dtype.
+  std::optional<c10::ScalarType> param_dtype;
+  /// The dtype gradients are reduced in. Unset: param_dtype if set, else the parameters' dtype.
+  std::optional<c10::ScalarType> reduce_dtype;
 };
 
 class FlatParamHandle {
@@ -75,6 +81,9 @@ class FlatParamHandle {
   bool is_unsharded() const { return unsharded_; }
   bool unshard_in_flight() const { return pending_unshard_.valid(); }
   bool is_sharded_strategy() const { return options_.shard; }
+  /// The dtype the parameters are all-gathered and computed in, and the one gradients are reduced in.
+  c10::ScalarType compute_dtype() const { return compute_dtype_; }
+  c10::ScalarType reduce_dtype() const { return reduce_dtype_; }
 
   /// Before backward: sets aside the sharded gradients the original parameters still hold (from an
   /// earlier backward without set_to_none, or replaced by the user: written back), and clears
@@ -82,7 +91,8 @@ class FlatParamHandle {
   void prepare_gradients_for_backward();
   /// After this handle's backward. With `sync`: issues the reduce-scatter (all-reduce without
   /// sharding) of the unsharded gradients; `finalize_gradients()` waits for it and sets `.grad`.
-  /// Without: accumulates them locally, no collective, `.grad` left unset.
+  /// Without: accumulates them locally (in the reduce dtype: low precision with mixed precision),
+  /// no collective, `.grad` left unset.
   void reduce_gradients(bool sync = true);
   /// Waits for the collective issued by reduce_gradients() and points `.grad` at the new sharded
   /// gradient (plus the set-aside one). No-op when none is in flight.
@@ -106,6 +116,7 @@ class FlatParamHandle {
   size_t accumulated_grad_bytes() const;
 
  private:
+  bool needs_unsharded_buffer() const;
   void use_sharded_views();
   void use_unsharded_views();
   void write_back_replaced_data();
@@ -121,6 +132,7 @@ class FlatParamHandle {
   FlatParamLayout layout_;
   std::vector<ShardSlice> slices_;    // per original parameter, this rank's slice (maybe empty)
   at::Tensor local_shard_;            // 1-D [shard_numel]
+  at::Tensor low_precision_shard_;    // 1-D [shard_numel] in compute_dtype_ (mixed precision only)
   at::Tensor padded_unsharded_;       // 1-D [padded_numel]; storage freed while resharded
   at::Tensor sharded_grad_;           // 1-D [shard_numel] or undefined
   at::Tensor saved_grad_;             // set aside before backward, added after the reduction
@@ -129,6 +141,10 @@ class FlatParamHandle {
   at::Tensor reduce_input_;           // reduction in flight: padded unsharded gradient
   comm::PendingCollective pending_unshard_;
   comm::PendingCollective pending_reduce_;
+  c10::ScalarType compute_dtype_;
+  c10::ScalarType reduce_dtype_;
+  bool mixed_precision_ = false;
+  double post_divide_ = 1.0;          // the division left after the reduction in flight
   bool unsharded_ = false;
   bool grads_prepared_ = false;
   bool requires_grad_ = false;

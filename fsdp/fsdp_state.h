@@ -5,6 +5,7 @@
 // context. The runtime (fsdp/runtime.h) drives it from the forward hooks and from autograd.
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_set>
 #include <vector>
@@ -42,6 +43,8 @@ struct FSDPConfig {
   FlatParamHandleOptions handle;
   /// FULL_SHARD (true): reshard after forward, all-gather again in backward.
   bool reshard_after_forward = true;
+  /// Mixed precision: floating-point forward inputs are cast to this dtype in pre-forward.
+  std::optional<c10::ScalarType> cast_forward_inputs_to;
 };
 
 class FSDPState final : public contract::ApiState {

@@ -293,6 +293,13 @@ void pre_forward(FSDPState& state, contract::ForwardArgs& args) {
   }
   state.unshard();
   state.set_training_state(TrainingState::kForward);
+  if (const auto dtype = state.config().cast_forward_inputs_to) {
+    for (auto& arg : args) {
+      arg = contract::map_tensors(arg, [&](const at::Tensor& t) {
+        return at::isFloatingType(t.scalar_type()) && t.scalar_type() != *dtype ? t.to(*dtype) : t;
+      });
+    }
+  }
 
   if (!c10::GradMode::is_enabled()) return;
   std::vector<at::Tensor> needs_grad;

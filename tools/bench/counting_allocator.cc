@@ -1,0 +1,115 @@
+#include "tools/bench/counting_allocator.h"
+
+#include <algorithm>
+#include <utility>
+
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
+
+namespace fsdp::bench {
+
+// What the DataPtr handed out owns: the wrapped allocator's DataPtr and the byte count.
+struct CountingAllocator::Context {
+  CountingAllocator* owner;
+  c10::DataPtr inner;
+  int64_t nbytes;
+};
+
+CountingAllocator& CountingAllocator::install() {
+  static CountingAllocator* instance = [] {
+    auto* alloc = new CountingAllocator(c10::GetAllocator(c10::DeviceType::CPU));
+    // The highest priority, so that nothing registered later replaces it.
+    c10::SetAllocator(c10::DeviceType::CPU, alloc, /*priority=*/255);
+    TORCH_CHECK(c10::GetAllocator(c10::DeviceType::CPU) == alloc,
+                "CountingAllocator: c10::SetAllocator did not install the counting allocator");
+    return alloc;
+  }();
+  return *instance;
+}
+
+c10::DataPtr CountingAllocator::allocate(size_t nbytes) {
+  c10::DataPtr inner = wrapped_->allocate(nbytes);
+  void* data = inner.get();
+  const c10::Device device = inner.device();
+  auto* ctx = new Context{this, std::move(inner), static_cast<int64_t>(nbytes)};
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (data != nullptr) live_[data] = ctx->nbytes;
+    current_ += ctx->nbytes;
+    peak_ = std::max(peak_, current_);
+    ++allocations_;
+    update_watched_locked();
+  }
+  return c10::DataPtr(data, ctx, &CountingAllocator::release, device);
+}
+
+void CountingAllocator::release(void* ptr) {
+  auto* ctx = static_cast<Context*>(ptr);
+  CountingAllocator* self = ctx->owner;
+  {
+    std::lock_guard<std::mutex> lock(self->mutex_);
+    if (ctx->inner.get() != nullptr) self->live_.erase(ctx->inner.get());
+    self->current_ -= ctx->nbytes;
+  }
+  delete ctx;  // frees through the wrapped allocator's deleter
+  std::lock_guard<std::mutex> lock(self->mutex_);
+  self->update_watched_locked();
+}
+
+void CountingAllocator::copy_data(void* dest, const void* src, std::size_t count) const {
+  wrapped_->copy_data(dest, src, count);
+}
+
+void CountingAllocator::update_watched_locked() {
+  if (watched_.empty()) return;
+  int64_t sum = 0;
+  for (const c10::StorageImpl* s : watched_) {
+    const void* data = s->data_ptr().get();
+    if (data == nullptr) continue;
+    auto it = live_.find(data);
+    if (it != live_.end()) sum += it->second;
+  }
+  watched_current_ = sum;
+  watched_peak_ = std::max(watched_peak_, sum);
+}
+
+int64_t CountingAllocator::current() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return current_;
+}
+
+int64_t CountingAllocator::peak() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return peak_;
+}
+
+void CountingAllocator::reset_peak() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  peak_ = current_;
+  update_watched_locked();
+  watched_peak_ = watched_current_;
+}
+
+int64_t CountingAllocator::allocations() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return allocations_;
+}
+
+void CountingAllocator::watch(std::vector<const c10::StorageImpl*> storages) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  watched_ = std::move(storages);
+  watched_peak_ = 0;
+  update_watched_locked();
+}
+
+int64_t CountingAllocator::watched_current() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return watched_current_;
+}
+
+int64_t CountingAllocator::watched_peak() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return watched_peak_;
+}
+
+}  // namespace fsdp::bench

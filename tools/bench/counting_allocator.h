@@ -1,0 +1,62 @@
+#pragma once
+// A CPU allocator that counts bytes: it wraps the allocator LibTorch had installed for the CPU and
+// keeps the current and peak bytes of live allocations made through it, and the size of each.
+//
+//   auto& alloc = fsdp::bench::CountingAllocator::install();   // before the tensors to count
+//   int64_t before = alloc.current();
+//   at::Tensor t = at::empty({1024});                           // 4096 more bytes
+//   alloc.current() - before;                                   // 4096
+//
+// Watched storages: `watch(storages)` names StorageImpls (e.g. FlatParameters' unsharded buffers,
+// which keep their StorageImpl while their memory is freed and re-grown); after every allocation
+// and every free the allocator adds up the live bytes currently backing them and keeps the peak of
+// that sum (watched_peak()). Only allocations made after install() are counted.
+
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include <c10/core/Allocator.h>
+#include <c10/core/StorageImpl.h>
+
+namespace fsdp::bench {
+
+class CountingAllocator final : public c10::Allocator {
+ public:
+  /// Installs the counting allocator for the CPU (once; later calls return it).
+  static CountingAllocator& install();
+
+  c10::DataPtr allocate(size_t nbytes) override;
+  void copy_data(void* dest, const void* src, std::size_t count) const override;
+
+  int64_t current() const;
+  int64_t peak() const;
+  /// Sets the peak (and the watched peak) to the current values.
+  void reset_peak();
+  /// Number of allocations made through this allocator.
+  int64_t allocations() const;
+
+  /// The storages whose live bytes watched_current()/watched_peak() add up.
+  void watch(std::vector<const c10::StorageImpl*> storages);
+  int64_t watched_current() const;
+  int64_t watched_peak() const;
+
+ private:
+  explicit CountingAllocator(c10::Allocator* wrapped) : wrapped_(wrapped) {}
+  struct Context;
+  static void release(void* ctx);
+  void update_watched_locked();
+
+  c10::Allocator* wrapped_;
+  mutable std::mutex mutex_;
+  std::unordered_map<const void*, int64_t> live_;  // data pointer -> bytes
+  int64_t current_ = 0;
+  int64_t peak_ = 0;
+  int64_t allocations_ = 0;
+  std::vector<const c10::StorageImpl*> watched_;
+  int64_t watched_current_ = 0;
+  int64_t watched_peak_ = 0;
+};
+
+}  // namespace fsdp::bench

@@ -1,0 +1,458 @@
+// fsdp_bench: measures fully_shard against plain local training of the same model, in the same
+// process, on the models of tools/bench/bench_models.h (see tools/benchmark.sh, which runs it with
+// the Python side, tools/bench/torch_bench.py, and renders the report).
+//
+//   fsdp_bench --write-init FILE                      writes weights and data for both sides
+//   fsdp_bench --init FILE --out JSON [flags]         a plain run: world size 1
+//   mpirun -np 2 fsdp_bench --init FILE --out JSON --local 0   world size 2
+//
+// Per model it trains the variants (local: no fully_shard; fsdp: fully_shard on every block, then
+// the root) step by step in turn, each step zero_grad + forward + backward + AdamW step, and
+// records each step's time (forward+backward and optimizer step apart), the loss, and the
+// Communicator's calls and bytes per collective kind per step. Then (--memory 1) it installs a
+// counting CPU allocator (tools/bench/counting_allocator.h) and measures per-rank bytes of
+// parameters, gradients, optimizer state and the peak of the unsharded buffers on fresh copies.
+// Rank 0 writes every rank's results to one JSON file.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <exception>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/randint.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/tensor.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adamw.h>
+#include <torch/utils.h>
+
+#include "comm/init.h"
+#include "composable/fully_shard.h"
+#include "examples/gpt_model.h"
+#include "tools/bench/bench_models.h"
+#include "tools/bench/counting_allocator.h"
+#include "tools/bench/json_writer.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using fsdp::bench::JsonWriter;
+using fsdp::bench::TensorMap;
+using fsdp::comm::CollectiveKind;
+
+constexpr const char* kUsage = R"(usage:
+  fsdp_bench --write-init FILE [--seed N] [--tiny-depth N] [--tiny-dim N] [--tiny-batch N]
+             [--gpt-layers N] [--gpt-d-model N] [--gpt-heads N] [--gpt-context N] [--gpt-batch N]
+             [--gpt-vocab N]
+  fsdp_bench --init FILE --out JSON [--models tiny,gpt] [--local 0|1] [--memory 0|1]
+             [--warmup N] [--steps N] [--gpt-warmup N] [--gpt-steps N] [--lr X] [--threads N]
+)";
+
+struct Flags {
+  std::string write_init;
+  std::string init;
+  std::string out;
+  std::vector<std::string> models{"tiny", "gpt"};
+  bool local = true;
+  bool memory = true;
+  int64_t warmup = 10;
+  int64_t steps = 40;
+  int64_t gpt_warmup = 3;
+  int64_t gpt_steps = 15;
+  double lr = 1e-3;
+  int64_t threads = 1;
+  // --write-init
+  uint64_t seed = 0;
+  int64_t tiny_depth = 100, tiny_dim = 8, tiny_batch = 8;
+  int64_t gpt_layers = 4, gpt_d_model = 128, gpt_heads = 4, gpt_context = 64, gpt_batch = 16,
+          gpt_vocab = 65;
+  int64_t file_ranks = 2;    // data for this many ranks
+  int64_t file_batches = 4;  // batches per rank, cycled through
+};
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> parts;
+  std::stringstream in(s);
+  for (std::string part; std::getline(in, part, sep);) {
+    if (!part.empty()) parts.push_back(part);
+  }
+  return parts;
+}
+
+Flags parse_flags(int argc, char** argv) {
+  Flags f;
+  auto need = [&](int& i) -> std::string {
+    if (i + 1 >= argc) throw std::invalid_argument(std::string(argv[i]) + " needs a value");
+    return argv[++i];
+  };
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    } else if (a == "--write-init") f.write_init = need(i);
+    else if (a == "--init") f.init = need(i);
+    else if (a == "--out") f.out = need(i);
+    else if (a == "--models") f.models = split(need(i), ',');
+    else if (a == "--local") f.local = std::stoi(need(i)) != 0;
+    else if (a == "--memory") f.memory = std::stoi(need(i)) != 0;
+    else if (a == "--warmup") f.warmup = std::stoll(need(i));
+    else if (a == "--steps") f.steps = std::stoll(need(i));
+    else if (a == "--gpt-warmup") f.gpt_warmup = std::stoll(need(i));
+    else if (a == "--gpt-steps") f.gpt_steps = std::stoll(need(i));
+    else if (a == "--lr") f.lr = std::stod(need(i));
+    else if (a == "--threads") f.threads = std::stoll(need(i));
+    else if (a == "--seed") f.seed = std::stoull(need(i));
+    else if (a == "--tiny-depth") f.tiny_depth = std::stoll(need(i));
+    else if (a == "--tiny-dim") f.tiny_dim = std::stoll(need(i));
+    else if (a == "--tiny-batch") f.tiny_batch = std::stoll(need(i));
+    else if (a == "--gpt-layers") f.gpt_layers = std::stoll(need(i));
+    else if (a == "--gpt-d-model") f.gpt_d_model = std::stoll(need(i));
+    else if (a == "--gpt-heads") f.gpt_heads = std::stoll(need(i));
+    else if (a == "--gpt-context") f.gpt_context = std::stoll(need(i));
+    else if (a == "--gpt-batch") f.gpt_batch = std::stoll(need(i));
+    else if (a == "--gpt-vocab") f.gpt_vocab = std::stoll(need(i));
+    else throw std::invalid_argument("unknown flag '" + a + "'\n" + kUsage);
+  }
+  if (f.write_init.empty() && (f.init.empty() || f.out.empty())) {
+    throw std::invalid_argument(std::string("give --write-init FILE, or --init FILE and --out JSON\n") +
+                                kUsage);
+  }
+  return f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The init file
+
+void write_init(const Flags& f) {
+  TensorMap t;
+  torch::manual_seed(static_cast<uint64_t>(f.seed));
+  {
+    fsdp::bench::TinyNet net(f.tiny_dim, f.tiny_depth);
+    fsdp::bench::store_parameters(*net, t, "tiny.");
+    t["tiny.config"] = at::tensor(std::vector<int64_t>{f.tiny_dim, f.tiny_depth, f.tiny_batch});
+    t["tiny.x"] = at::randn({f.file_ranks, f.file_batches, f.tiny_batch, f.tiny_dim});
+    t["tiny.y"] = at::randn({f.file_ranks, f.file_batches, f.tiny_batch, f.tiny_dim});
+  }
+  {
+    auto config = fsdp::examples::GPTConfig(f.gpt_vocab)
+                      .context_length(f.gpt_context)
+                      .d_model(f.gpt_d_model)
+                      .n_heads(f.gpt_heads)
+                      .n_layers(f.gpt_layers);
+    fsdp::examples::GPT gpt(config);
+    fsdp::bench::store_parameters(*gpt, t, "gpt.");
+    t["gpt.config"] = at::tensor(std::vector<int64_t>{f.gpt_vocab, f.gpt_context, f.gpt_d_model,
+                                                      f.gpt_heads, f.gpt_layers,
+                                                      config.mlp_ratio(), f.gpt_batch});
+    t["gpt.tokens"] = at::randint(0, f.gpt_vocab,
+                                  {f.file_ranks, f.file_batches, f.gpt_batch, f.gpt_context + 1},
+                                  at::kLong);
+  }
+  fsdp::bench::save_tensor_file(f.write_init, t);
+  std::printf("wrote %s (%zu tensors)\n", f.write_init.c_str(), t.size());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Models under training
+
+/// One model being trained: its module, loss on batch i of this rank, units (fsdp) and optimizer.
+struct Trainee {
+  std::string variant;  // "local" or "fsdp"
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<at::Tensor(int64_t)> loss;
+  std::vector<fsdp::FSDPModule> units;  // the root last; empty for local
+  std::unique_ptr<torch::optim::AdamW> optim;
+  std::vector<double> fb_s, opt_s, step_s, losses;
+};
+
+int64_t cfg(const TensorMap& t, const std::string& name, int64_t i) {
+  return t.at(name).data_ptr<int64_t>()[i];
+}
+
+/// Builds `model` ("tiny" or "gpt") from the init file, sharded when `fsdp`.
+std::unique_ptr<Trainee> make_trainee(const std::string& model, bool fsdp, const TensorMap& t,
+                                      int rank, double lr) {
+  auto trainee = std::make_unique<Trainee>();
+  trainee->variant = fsdp ? "fsdp" : "local";
+  if (model == "tiny") {
+    const int64_t dim = cfg(t, "tiny.config", 0), depth = cfg(t, "tiny.config", 1);
+    fsdp::bench::TinyNet net(dim, depth);
+    fsdp::bench::load_parameters(*net, t, "tiny.");
+    if (fsdp) {
+      for (auto& block : net->block_list()) trainee->units.push_back(fsdp::fully_shard(block));
+      trainee->units.push_back(fsdp::fully_shard(net));
+    }
+    const at::Tensor x = t.at("tiny.x"), y = t.at("tiny.y");
+    const int64_t file_rank = rank % x.size(0), batches = x.size(1);
+    trainee->module = net.ptr();
+    trainee->loss = [net, x, y, file_rank, batches](int64_t i) {
+      return torch::nn::functional::mse_loss(net(x[file_rank][i % batches]),
+                                             y[file_rank][i % batches]);
+    };
+  } else if (model == "gpt") {
+    auto config = fsdp::examples::GPTConfig(cfg(t, "gpt.config", 0))
+                      .context_length(cfg(t, "gpt.config", 1))
+                      .d_model(cfg(t, "gpt.config", 2))
+                      .n_heads(cfg(t, "gpt.config", 3))
+                      .n_layers(cfg(t, "gpt.config", 4))
+                      .mlp_ratio(cfg(t, "gpt.config", 5));
+    fsdp::examples::GPT gpt(config);
+    fsdp::bench::load_parameters(*gpt, t, "gpt.");
+    if (fsdp) {
+      for (auto& block : gpt->block_list()) trainee->units.push_back(fsdp::fully_shard(block));
+      trainee->units.push_back(fsdp::fully_shard(gpt));
+    }
+    const at::Tensor tokens = t.at("gpt.tokens");
+    const int64_t file_rank = rank % tokens.size(0), batches = tokens.size(1);
+    const int64_t context = tokens.size(3) - 1;
+    trainee->module = gpt.ptr();
+    trainee->loss = [gpt, tokens, file_rank, batches, context](int64_t i) {
+      const at::Tensor window = tokens[file_rank][i % batches];
+      return fsdp::examples::next_token_loss(gpt(window.narrow(1, 0, context)),
+                                             window.narrow(1, 1, context));
+    };
+  } else {
+    throw std::invalid_argument("unknown model '" + model + "' (tiny or gpt)");
+  }
+  trainee->optim = std::make_unique<torch::optim::AdamW>(
+      trainee->module->parameters(), torch::optim::AdamWOptions(lr).weight_decay(0.01));
+  return trainee;
+}
+
+double seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+/// zero_grad + forward + backward + optimizer step on batch `i`, timed.
+void train_step(Trainee& t, int64_t i) {
+  const auto t0 = Clock::now();
+  t.optim->zero_grad();
+  at::Tensor loss = t.loss(i);
+  loss.backward();
+  const auto t1 = Clock::now();
+  t.optim->step();
+  const auto t2 = Clock::now();
+  t.fb_s.push_back(seconds(t0, t1));
+  t.opt_s.push_back(seconds(t1, t2));
+  t.step_s.push_back(seconds(t0, t2));
+  t.losses.push_back(loss.item<double>());
+}
+
+const char* kind_name(CollectiveKind kind) {
+  switch (kind) {
+    case CollectiveKind::kAllGather: return "all_gather";
+    case CollectiveKind::kReduceScatter: return "reduce_scatter";
+    case CollectiveKind::kAllReduce: return "all_reduce";
+    case CollectiveKind::kBroadcast: return "broadcast";
+    case CollectiveKind::kAllGatherList: return "all_gather_list";
+    case CollectiveKind::kAllGatherBytes: return "all_gather_bytes";
+    case CollectiveKind::kBarrier: return "barrier";
+  }
+  return "?";
+}
+
+/// The FlatParameters of `units` (the root last), with what the formulas need.
+void write_handles(JsonWriter& w, const std::vector<fsdp::FSDPModule>& units) {
+  w.begin_array();
+  for (size_t u = 0; u < units.size(); ++u) {
+    for (const auto& h : units[u].handles()) {
+      const auto& layout = h->layout();
+      w.begin_object()
+          .member("unit", h->unit_fqn())
+          .member("root", u + 1 == units.size())
+          .member("requires_grad", h->requires_grad())
+          .member("element_size", static_cast<int64_t>(c10::elementSize(layout.dtype)))
+          .member("unpadded_numel", layout.unpadded_numel)
+          .member("padded_numel", layout.padded_numel)
+          .member("shard_numel", layout.shard_numel())
+          .member("world_size", static_cast<int64_t>(layout.world_size))
+          .member("params", static_cast<int64_t>(h->params().size()))
+          .end_object();
+    }
+  }
+  w.end_array();
+}
+
+/// Trains the variants of `model` in turn and writes their timings, losses, the units' handles and
+/// the collectives per step.
+void bench_timing(JsonWriter& w, const std::string& model, const Flags& f, const TensorMap& t,
+                  fsdp::comm::Communicator& comm) {
+  std::vector<std::unique_ptr<Trainee>> trainees;
+  if (f.local) trainees.push_back(make_trainee(model, false, t, comm.rank(), f.lr));
+  trainees.push_back(make_trainee(model, true, t, comm.rank(), f.lr));
+  const int64_t warmup = model == "gpt" ? f.gpt_warmup : f.warmup;
+  const int64_t steps = model == "gpt" ? f.gpt_steps : f.steps;
+  std::vector<fsdp::comm::CollectiveStats> stats(fsdp::comm::kNumCollectiveKinds);
+  for (int64_t i = 0; i < warmup + steps; ++i) {
+    if (i == warmup) comm.reset_stats();
+    // Alternate the order, so that neither variant always runs right after the other.
+    if (i % 2 == 0) {
+      for (auto& tr : trainees) train_step(*tr, i);
+    } else {
+      for (auto it = trainees.rbegin(); it != trainees.rend(); ++it) train_step(**it, i);
+    }
+  }
+  for (int k = 0; k < fsdp::comm::kNumCollectiveKinds; ++k) {
+    stats[k] = comm.stats(static_cast<CollectiveKind>(k));
+  }
+  const Trainee& sharded = *trainees.back();
+  w.key(model).begin_object();
+  w.member("warmup", warmup).member("steps", steps);
+  w.member("units_with_params", static_cast<int64_t>(std::count_if(
+                                    sharded.units.begin(), sharded.units.end(),
+                                    [](const fsdp::FSDPModule& u) { return !u.handles().empty(); })));
+  w.member("units", static_cast<int64_t>(sharded.units.size()));
+  w.key("variants").begin_object();
+  for (const auto& tr : trainees) {
+    w.key(tr->variant).begin_object();
+    w.key("step_s").array(tr->step_s);
+    w.key("fb_s").array(tr->fb_s);
+    w.key("opt_s").array(tr->opt_s);
+    w.key("losses").array(tr->losses);
+    w.end_object();
+  }
+  w.end_object();
+  w.key("handles");
+  write_handles(w, sharded.units);
+  w.key("comm_per_step").begin_object();
+  for (int k = 0; k < fsdp::comm::kNumCollectiveKinds; ++k) {
+    w.key(kind_name(static_cast<CollectiveKind>(k))).begin_object();
+    w.member("calls", static_cast<double>(stats[k].calls) / static_cast<double>(steps));
+    w.member("bytes", static_cast<double>(stats[k].bytes) / static_cast<double>(steps));
+    w.end_object();
+  }
+  w.end_object();
+  w.end_object();
+}
+
+/// Per-rank bytes of one variant, counted by the allocator (deltas from before it was built).
+void bench_memory(JsonWriter& w, const std::string& model, bool fsdp, const Flags& f,
+                  const TensorMap& t, fsdp::comm::Communicator& comm) {
+  auto& alloc = fsdp::bench::CountingAllocator::install();
+  int64_t params = 0, full_params = 0, grads = 0, optim_state = 0, transient = 0, unsharded = 0;
+  int64_t lib_shards = 0, lib_grads = 0;
+  {
+    const int64_t a0 = alloc.current();
+    auto tr = make_trainee(model, fsdp, t, comm.rank(), f.lr);
+    params = alloc.current() - a0;
+    // Two steps: lazy initialisation, and the optimizer's state (created at its first step).
+    train_step(*tr, 0);
+    train_step(*tr, 1);
+    if (fsdp) {
+      // The unsharded buffers keep their StorageImpl while freed and re-grown: watch those.
+      std::vector<const c10::StorageImpl*> storages;
+      for (auto& unit : tr->units) {
+        unit.unshard();
+        for (const auto& h : unit.handles()) {
+          storages.push_back(h->params().front().param.storage().unsafeGetStorageImpl());
+        }
+        unit.reshard();
+      }
+      alloc.watch(storages);
+      for (auto& unit : tr->units) {
+        for (const auto& h : unit.handles()) {
+          lib_shards += static_cast<int64_t>(h->local_shard().nbytes());
+          lib_grads += static_cast<int64_t>(h->sharded_grad_bytes());
+        }
+      }
+    } else {
+      for (const auto& p : tr->module->parameters()) full_params += static_cast<int64_t>(p.nbytes());
+    }
+    for (int64_t i = 2; i < 4; ++i) {
+      const int64_t with_grads = alloc.current() - a0;
+      tr->optim->zero_grad();
+      const int64_t without_grads = alloc.current() - a0;
+      grads = with_grads - without_grads;
+      optim_state = without_grads - params;
+      alloc.reset_peak();
+      at::Tensor loss = tr->loss(i);
+      loss.backward();
+      transient = std::max(transient, alloc.peak() - a0 - without_grads);
+      if (fsdp) unsharded = std::max(unsharded, alloc.watched_peak());
+      tr->optim->step();
+    }
+    alloc.watch({});
+  }
+  w.key(fsdp ? "fsdp" : "local").begin_object();
+  w.member("params", params).member("grads", grads).member("optimizer", optim_state);
+  w.member("peak_unsharded", unsharded).member("peak_forward_backward_transient", transient);
+  if (fsdp) w.member("library_local_shard_bytes", lib_shards).member("library_sharded_grad_bytes", lib_grads);
+  else w.member("library_param_bytes", full_params);
+  w.end_object();
+}
+
+int run(const Flags& f) {
+  at::set_num_threads(static_cast<int>(f.threads));
+  if (!f.write_init.empty()) {
+    write_init(f);
+    return 0;
+  }
+  auto pg = fsdp::comm::init_process_group();
+  auto& comm = *pg.comm;
+  const TensorMap tensors = fsdp::bench::load_tensor_file(f.init);
+  JsonWriter w;
+  w.begin_object();
+  w.member("rank", static_cast<int64_t>(comm.rank()));
+  w.key("timing").begin_object();
+  for (const auto& model : f.models) {
+    if (comm.rank() == 0) std::fprintf(stderr, "[fsdp_bench] W=%d %s: timing\n", comm.size(), model.c_str());
+    bench_timing(w, model, f, tensors, comm);
+  }
+  w.end_object();
+  if (f.memory) {
+    w.key("memory").begin_object();
+    for (const auto& model : f.models) {
+      if (comm.rank() == 0) std::fprintf(stderr, "[fsdp_bench] W=%d %s: memory\n", comm.size(), model.c_str());
+      w.key(model).begin_object();
+      bench_memory(w, model, false, f, tensors, comm);
+      bench_memory(w, model, true, f, tensors, comm);
+      w.end_object();
+    }
+    w.end_object();
+  }
+  w.end_object();
+  const std::string mine = w.str();
+  const auto all = comm.all_gather_bytes(std::vector<uint8_t>(mine.begin(), mine.end()), "results");
+  if (comm.rank() == 0) {
+    std::ofstream out(f.out);
+    TORCH_CHECK(out, "cannot write ", f.out);
+    out << "{\"program\":\"fsdp_bench\",\"world_size\":" << comm.size() << ",\"threads\":"
+        << at::get_num_threads() << ",\"ranks\":[";
+    for (size_t r = 0; r < all.size(); ++r) {
+      out << (r ? "," : "") << std::string(all[r].begin(), all[r].end());
+    }
+    out << "]}\n";
+    std::fprintf(stderr, "[fsdp_bench] wrote %s\n", f.out.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags flags;
+  try {
+    flags = parse_flags(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fsdp_bench: %s\n", e.what());
+    return 2;
+  }
+  try {
+    return run(flags);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fsdp_bench: error: %s\n", e.what());
+    return 1;
+  }
+}
