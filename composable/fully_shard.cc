@@ -123,6 +123,11 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
   config.handle.param_dtype = mp.param_dtype();
   config.handle.reduce_dtype = mp.reduce_dtype();
   if (mp.param_dtype() && mp.cast_forward_inputs()) config.cast_forward_inputs_to = mp.param_dtype();
+  config.forward_prefetch = options.forward_prefetch();
+  config.backward_prefetch = options.backward_prefetch();
+  TORCH_CHECK(options.max_unshards_in_flight() >= 1, "fully_shard: max_unshards_in_flight must be "
+              "at least 1, got ", options.max_unshards_in_flight());
+  config.max_unshards_in_flight = options.max_unshards_in_flight();
   config.reshard_after_forward = options.strategy() == ShardingStrategy::kFullShard;
 
   if (options.sync_module_states()) {
@@ -166,6 +171,22 @@ FSDPModule fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
 
 void FSDPModule::set_requires_gradient_sync(bool sync, bool recurse) {
   for_each_unit(recurse, [sync](FSDPState& unit) { unit.requires_gradient_sync = sync; });
+}
+
+namespace {
+std::vector<FSDPState*> states_of(const std::vector<FSDPModule>& units) {
+  std::vector<FSDPState*> states;
+  for (const auto& u : units) states.push_back(&u.state());
+  return states;
+}
+}  // namespace
+
+void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& units) {
+  state_->forward_prefetch_targets = states_of(units);
+}
+
+void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>& units) {
+  state_->backward_prefetch_targets = states_of(units);
 }
 
 void FSDPModule::set_reshard_after_backward(bool reshard, bool recurse) {

@@ -75,6 +75,15 @@ struct FullyShardOptions {
   /// Hybrid sharding (HSDP): shard inside the mesh's shard groups, all-reduce gradients across its
   /// replicate groups (fsdp::comm::DeviceMesh::hybrid). Excludes `communicator`.
   TORCH_ARG(std::shared_ptr<comm::DeviceMesh>, mesh) = nullptr;
+  /// Forward prefetch: a unit's pre-forward also issues the all-gather of the unit that ran after
+  /// it in the previous iteration (overlapping it with this unit's forward).
+  TORCH_ARG(bool, forward_prefetch) = false;
+  /// When backward all-gathers the next unit: before (default) or after the current unit's
+  /// gradient computation, or not at all.
+  TORCH_ARG(BackwardPrefetch, backward_prefetch) = BackwardPrefetch::kBackwardPre;
+  /// The most all-gathers in flight at once (set on the root; default 2): issuing one more first
+  /// waits for the oldest, bounding the unsharded memory.
+  TORCH_ARG(int, max_unshards_in_flight) = 2;
   /// Mixed precision (see MixedPrecision).
   TORCH_ARG(MixedPrecision, mixed_precision) = {};
   /// The device the shards (and the module's buffers) live on, e.g. cuda:LOCAL_RANK for a model
@@ -110,6 +119,12 @@ class FSDPModule {
   ///   model_unit.set_requires_gradient_sync(true);
   ///   model(last).sum().backward();   // reduce-scatters the accumulated gradients
   void set_requires_gradient_sync(bool sync, bool recurse = true);
+  /// Explicit prefetching (FSDP2's set_modules_to_forward_prefetch / _backward_prefetch): this
+  /// unit's pre-forward (pre-backward) issues the all-gathers of `units`, instead of the implicit
+  /// next unit. An empty list turns prefetching off for this unit.
+  void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& units);
+  void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& units);
+
   /// Whether backward reshards the units (false keeps them unsharded for the next forward while
   /// gradients accumulate without sync; a backward with sync always reshards).
   void set_reshard_after_backward(bool reshard, bool recurse = true);

@@ -86,4 +86,18 @@ void FSDPState::start_unshard() {
   for (auto& h : handles_) h->start_unshard();
 }
 
+bool FSDPState::unshard_in_flight() const {
+  for (const auto& h : handles_) {
+    if (h->unshard_in_flight()) return true;
+  }
+  return false;
+}
+
+bool FSDPState::is_unsharded() const {
+  for (const auto& h : handles_) {
+    if (h->is_sharded_strategy() && !h->is_unsharded()) return false;
+  }
+  return true;
+}
+
 }  // namespace fsdp

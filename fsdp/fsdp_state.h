@@ -35,6 +35,16 @@ enum class TrainingState {
 
 const char* to_string(TrainingState state);
 
+/// When backward all-gathers the next unit (FSDP1's BackwardPrefetch).
+enum class BackwardPrefetch {
+  kNone,
+  /// In the current unit's pre-backward, before its gradients are computed (more overlap, two
+  /// units unsharded at once).
+  kBackwardPre,
+  /// In the current unit's post-backward, after its gradients are computed.
+  kBackwardPost,
+};
+
 /// The options a unit was created with (see composable/fully_shard.h for the user-facing ones).
 struct FSDPConfig {
   std::shared_ptr<comm::Communicator> comm;
@@ -45,6 +55,12 @@ struct FSDPConfig {
   bool reshard_after_forward = true;
   /// Mixed precision: floating-point forward inputs are cast to this dtype in pre-forward.
   std::optional<c10::ScalarType> cast_forward_inputs_to;
+  /// Forward prefetch: a unit's pre-forward also issues the all-gather of the unit that ran after
+  /// it in the previous iteration.
+  bool forward_prefetch = false;
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
+  /// The most all-gathers in flight at once (the root's setting applies to its tree).
+  int max_unshards_in_flight = 2;
 };
 
 class FSDPState final : public contract::ApiState {
@@ -91,6 +107,14 @@ class FSDPState final : public contract::ApiState {
   void reshard();
   /// Issues the all-gathers of every handle without waiting (prefetch).
   void start_unshard();
+  bool unshard_in_flight() const;
+  /// Whether every sharded handle is unsharded (true for a unit with nothing to gather).
+  bool is_unsharded() const;
+
+  /// Explicit prefetch targets (FSDP2's set_modules_to_forward_prefetch /
+  /// set_modules_to_backward_prefetch): when set, they replace the implicit next unit.
+  std::optional<std::vector<FSDPState*>> forward_prefetch_targets;
+  std::optional<std::vector<FSDPState*>> backward_prefetch_targets;
 
   /// Gradient accumulation: without sync, gradients accumulate unsharded and no reduce-scatter is
   /// issued; the next backward with sync reduces the sum.

@@ -19,8 +19,12 @@ class RootContext {
   std::vector<FSDPState*> states;
   std::shared_ptr<comm::Communicator> comm;
 
-  /// Units in the order their pre-forward first ran this iteration.
+  /// Units in the order their pre-forward first ran this iteration, and in the last one.
   std::vector<FSDPState*> forward_order;
+  std::vector<FSDPState*> previous_forward_order;
+  /// Units whose all-gathers are in flight, oldest first; never more than max_in_flight.
+  std::vector<FSDPState*> unshards_in_flight;
+  int max_in_flight = 2;
   /// Gradients are reduce-scattered in reverse forward order on every rank (the collectives then
   /// match across ranks); units before this index (from the back) are done.
   size_t reduced_from_back = 0;

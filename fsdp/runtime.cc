@@ -32,6 +32,42 @@ bool within(const std::string& fqn, const std::string& ancestor_fqn) {
           fqn[ancestor_fqn.size()] == '.');
 }
 
+// Unsharding through the root's context keeps at most `max_in_flight` all-gathers in flight:
+// issuing one more first waits for the oldest.
+void complete_unshard(RootContext& context, FSDPState* unit) {
+  unit->unshard();
+  auto& in_flight = context.unshards_in_flight;
+  in_flight.erase(std::remove(in_flight.begin(), in_flight.end(), unit), in_flight.end());
+}
+
+void issue_unshard(RootContext& context, FSDPState* unit) {
+  if (unit->is_unsharded() || unit->unshard_in_flight()) return;
+  while (static_cast<int>(context.unshards_in_flight.size()) >= context.max_in_flight) {
+    complete_unshard(context, context.unshards_in_flight.front());
+  }
+  unit->start_unshard();
+  if (unit->unshard_in_flight()) context.unshards_in_flight.push_back(unit);
+}
+
+void reshard_unit(RootContext& context, FSDPState* unit) {
+  unit->reshard();  // waits for an all-gather in flight first
+  auto& in_flight = context.unshards_in_flight;
+  in_flight.erase(std::remove(in_flight.begin(), in_flight.end(), unit), in_flight.end());
+}
+
+// The units `unit` prefetches: its explicit list if set, else the one next to it in `order`
+// (+1: forward, the unit that ran after it; -1: backward, the one that ran before it).
+std::vector<FSDPState*> prefetch_targets(const FSDPState& unit,
+                                         const std::optional<std::vector<FSDPState*>>& explicit_targets,
+                                         const std::vector<FSDPState*>& order, int direction) {
+  if (explicit_targets) return *explicit_targets;
+  const auto it = std::find(order.begin(), order.end(), &unit);
+  if (it == order.end()) return {};
+  const auto index = (it - order.begin()) + direction;
+  if (index < 0 || index >= static_cast<std::ptrdiff_t>(order.size())) return {};
+  return {order[static_cast<size_t>(index)]};
+}
+
 // [Note: tied parameters] A parameter registered by several modules (an embedding tied to the
 // output projection) belongs to the innermost unit that contains every module registering it:
 // otherwise one unit would compute on a parameter another unit has resharded. fully_shard gives
@@ -144,6 +180,7 @@ void lazy_init(FSDPState& state) {
   auto context = std::make_shared<RootContext>();
   context->root = &state;
   context->comm = state.config().comm;
+  context->max_in_flight = std::max(1, state.config().max_unshards_in_flight);
   std::unordered_map<FSDPState*, std::vector<std::string>> unit_fqns;
   for (const auto& item : state.module().named_modules("", /*include_self=*/true)) {
     auto unit = registry.get_as<FSDPState>(*item.value(), kFullyShardApi);
@@ -168,9 +205,10 @@ void lazy_init(FSDPState& state) {
 // Ends an iteration in which no backward ran (or will run): every unit resharded and idle.
 void end_iteration_without_backward(RootContext& context) {
   for (FSDPState* unit : context.states) {
-    unit->reshard();
+    reshard_unit(context, unit);
     unit->set_training_state(TrainingState::kIdle);
   }
+  context.previous_forward_order = context.forward_order;
   context.iteration_active = false;
   ++context.iterations;
 }
@@ -238,11 +276,19 @@ void end_of_backward(RootContext& context) {
     for (const auto& handle : unit->handles()) handle->finalize_gradients();
   }
   for (FSDPState* unit : context.states) {
-    if (!keeps_unsharded_after_backward(*unit)) unit->reshard();
+    if (!keeps_unsharded_after_backward(*unit)) reshard_unit(context, unit);
     unit->set_training_state(TrainingState::kIdle);
   }
+  context.previous_forward_order = context.forward_order;
   context.iteration_active = false;
   ++context.iterations;
+}
+
+// Backward prefetch: the unit that ran before this one in forward runs its backward next.
+void prefetch_for_backward(RootContext& context, const FSDPState& unit) {
+  for (FSDPState* next : prefetch_targets(unit, unit.backward_prefetch_targets, context.forward_order, -1)) {
+    if (!next->reduced && next->training_state() != TrainingState::kPostBackward) issue_unshard(context, next);
+  }
 }
 
 void pre_backward(FSDPState& unit) {
@@ -257,14 +303,10 @@ void pre_backward(FSDPState& unit) {
   }
   if (unit.pre_backward_done) return;
   unit.pre_backward_done = true;
-  unit.unshard();
+  issue_unshard(context, &unit);
+  complete_unshard(context, &unit);
   unit.set_training_state(TrainingState::kPreBackward);
-  // Backward prefetch: the unit that ran before this one in forward runs its backward next.
-  const int index = context.forward_index(&unit);
-  if (index > 0) {
-    FSDPState* next = context.forward_order[index - 1];
-    if (!next->reduced && next->training_state() != TrainingState::kPostBackward) next->start_unshard();
-  }
+  if (unit.config().backward_prefetch == BackwardPrefetch::kBackwardPre) prefetch_for_backward(context, unit);
 }
 
 void post_backward(void* arg) {
@@ -273,8 +315,11 @@ void post_backward(void* arg) {
   if (--unit.pending_post_backward > 0 || unit.forward_calls_without_post_backward > 0) return;
   if (unit.training_state() == TrainingState::kPostBackward) return;
   unit.set_training_state(TrainingState::kPostBackward);
-  if (!keeps_unsharded_after_backward(unit)) unit.reshard();
-  reduce_in_order(*unit.root_context(), /*final=*/false);
+  RootContext& context = *unit.root_context();
+  if (!keeps_unsharded_after_backward(unit)) reshard_unit(context, &unit);
+  reduce_in_order(context, /*final=*/false);
+  // After this unit's gradient computation (and its reduce-scatter, once its turn came).
+  if (unit.config().backward_prefetch == BackwardPrefetch::kBackwardPost) prefetch_for_backward(context, unit);
 }
 
 }  // namespace
@@ -291,7 +336,15 @@ void pre_forward(FSDPState& state, contract::ForwardArgs& args) {
     state.ran_forward = true;
     context.forward_order.push_back(&state);
   }
-  state.unshard();
+  issue_unshard(context, &state);
+  // Forward prefetch: the unit that ran after this one in the previous iteration.
+  if (state.config().forward_prefetch || state.forward_prefetch_targets) {
+    for (FSDPState* next : prefetch_targets(state, state.forward_prefetch_targets,
+                                            context.previous_forward_order, +1)) {
+      if (!next->ran_forward) issue_unshard(context, next);
+    }
+  }
+  complete_unshard(context, &state);
   state.set_training_state(TrainingState::kForward);
   if (const auto dtype = state.config().cast_forward_inputs_to) {
     for (auto& arg : args) {
@@ -326,7 +379,7 @@ void post_forward(FSDPState& state, c10::IValue& output) {
   RootContext& context = *state.root_context();
   // Siblings: reshard after the last of the unit's modules ran.
   const bool last_module = ++state.post_forwards % state.modules().size() == 0;
-  if (!state.is_root() && state.config().reshard_after_forward && last_module) state.reshard();
+  if (!state.is_root() && state.config().reshard_after_forward && last_module) reshard_unit(context, &state);
   std::vector<at::Tensor> hooked;
   if (c10::GradMode::is_enabled()) {
     contract::for_each_tensor(output, [&](const at::Tensor& t) {

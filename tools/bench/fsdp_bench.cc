@@ -197,7 +197,7 @@ std::unique_ptr<Trainee> make_trainee(const std::string& model, bool fsdp, const
     const at::Tensor x = t.at("tiny.x"), y = t.at("tiny.y");
     const int64_t file_rank = rank % x.size(0), batches = x.size(1);
     trainee->module = net.ptr();
-    trainee->loss = [net, x, y, file_rank, batches](int64_t i) {
+    trainee->loss = [net, x, y, file_rank, batches](int64_t i) mutable {
       return torch::nn::functional::mse_loss(net(x[file_rank][i % batches]),
                                              y[file_rank][i % batches]);
     };
@@ -218,7 +218,7 @@ std::unique_ptr<Trainee> make_trainee(const std::string& model, bool fsdp, const
     const int64_t file_rank = rank % tokens.size(0), batches = tokens.size(1);
     const int64_t context = tokens.size(3) - 1;
     trainee->module = gpt.ptr();
-    trainee->loss = [gpt, tokens, file_rank, batches, context](int64_t i) {
+    trainee->loss = [gpt, tokens, file_rank, batches, context](int64_t i) mutable {
       const at::Tensor window = tokens[file_rank][i % batches];
       return fsdp::examples::next_token_loss(gpt(window.narrow(1, 0, context)),
                                              window.narrow(1, 1, context));
@@ -274,6 +274,8 @@ void write_handles(JsonWriter& w, const std::vector<fsdp::FSDPModule>& units) {
           .member("root", u + 1 == units.size())
           .member("requires_grad", h->requires_grad())
           .member("element_size", static_cast<int64_t>(c10::elementSize(layout.dtype)))
+          .member("all_gather_element_size", static_cast<int64_t>(c10::elementSize(h->compute_dtype())))
+          .member("reduce_element_size", static_cast<int64_t>(c10::elementSize(h->reduce_dtype())))
           .member("unpadded_numel", layout.unpadded_numel)
           .member("padded_numel", layout.padded_numel)
           .member("shard_numel", layout.shard_numel())
