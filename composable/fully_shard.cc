@@ -123,6 +123,7 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
   config.handle.param_dtype = mp.param_dtype();
   config.handle.reduce_dtype = mp.reduce_dtype();
   if (mp.param_dtype() && mp.cast_forward_inputs()) config.cast_forward_inputs_to = mp.param_dtype();
+  config.handle.offload_to_cpu = options.offload_to_cpu();
   config.forward_prefetch = options.forward_prefetch();
   config.backward_prefetch = options.backward_prefetch();
   TORCH_CHECK(options.max_unshards_in_flight() >= 1, "fully_shard: max_unshards_in_flight must be "

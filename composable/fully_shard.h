@@ -84,6 +84,9 @@ struct FullyShardOptions {
   /// The most all-gathers in flight at once (set on the root; default 2): issuing one more first
   /// waits for the oldest, bounding the unsharded memory.
   TORCH_ARG(int, max_unshards_in_flight) = 2;
+  /// CPU offload (FSDP's CPUOffload(offload_params=True)): shards and sharded gradients live in
+  /// host memory, pinned when computing on CUDA; the optimizer steps on the host.
+  TORCH_ARG(bool, offload_to_cpu) = false;
   /// Mixed precision (see MixedPrecision).
   TORCH_ARG(MixedPrecision, mixed_precision) = {};
   /// The device the shards (and the module's buffers) live on, e.g. cuda:LOCAL_RANK for a model

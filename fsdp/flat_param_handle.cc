@@ -75,11 +75,16 @@ FlatParamHandle::FlatParamHandle(std::vector<OrigParam> params,
   // Alignment in the compute dtype, so the all-gathered buffer's views start on 16-byte boundaries.
   layout_ = make_flat_param_layout(layout_inputs(params_), mixed_precision_ ? compute_dtype_ : dtype, world);
   layout_.dtype = dtype;
-  const auto tensor_options = at::TensorOptions().dtype(dtype).device(options_.device.value_or(device));
+  compute_device_ = options_.device.value_or(device);
+  const at::Device shard_device = options_.offload_to_cpu ? at::Device(at::kCPU) : compute_device_;
+  const auto tensor_options = at::TensorOptions().dtype(dtype).device(shard_device);
   local_shard_ = at::zeros({layout_.shard_numel()}, tensor_options);
-  if (mixed_precision_) low_precision_shard_ = at::empty({layout_.shard_numel()}, tensor_options.dtype(compute_dtype_));
+  if (options_.offload_to_cpu && compute_device_.is_cuda()) local_shard_ = local_shard_.pin_memory();
+  if (mixed_precision_ || shard_device != compute_device_) {
+    compute_shard_ = at::empty({layout_.shard_numel()}, tensor_options.dtype(compute_dtype_).device(compute_device_));
+  }
   padded_unsharded_ = at::empty({needs_unsharded_buffer() ? layout_.padded_numel : 0},
-                                tensor_options.dtype(compute_dtype_));
+                                tensor_options.dtype(compute_dtype_).device(compute_device_));
   std::vector<at::Tensor> full_grads(params_.size());
   for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
     slices_.push_back(layout_.slice_of(i, rank));
@@ -98,7 +103,7 @@ FlatParamHandle::FlatParamHandle(std::vector<OrigParam> params,
   bool any_grad = false;
   for (const auto& g : full_grads) any_grad |= g.defined();
   if (any_grad && requires_grad_) {
-    sharded_grad_ = at::zeros({layout_.shard_numel()}, tensor_options);
+    sharded_grad_ = at::zeros({layout_.shard_numel()}, local_shard_.options());
     c10::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) {
       const auto& s = slices_[i];
@@ -170,10 +175,11 @@ void FlatParamHandle::start_unshard() {
   write_back_replaced_data();
   resize_storage(padded_unsharded_, layout_.padded_numel * padded_unsharded_.element_size());
   const at::Tensor* source = &local_shard_;
-  if (mixed_precision_) {
+  if (compute_shard_.defined()) {
     c10::NoGradGuard no_grad;
-    low_precision_shard_.copy_(local_shard_);  // all-gathered in the compute dtype
-    source = &low_precision_shard_;
+    // In the compute dtype, on the compute device (from host memory with offload).
+    compute_shard_.copy_(local_shard_, /*non_blocking=*/true);
+    source = &compute_shard_;
   }
   pending_unshard_ = comm_->all_gather_into_tensor(padded_unsharded_, *source, unit_fqn_);
 }
@@ -189,17 +195,19 @@ void FlatParamHandle::unshard() {
     start_unshard();
     pending_unshard_.wait();
     pending_unshard_ = {};
-  } else {  // NO_SHARD with mixed precision: a low-precision copy, no collective
+  } else {  // NO_SHARD with mixed precision or offload: a copy, no collective
     write_back_replaced_data();
     resize_storage(padded_unsharded_, layout_.padded_numel * padded_unsharded_.element_size());
     c10::NoGradGuard no_grad;
-    padded_unsharded_.copy_(local_shard_);
+    padded_unsharded_.copy_(local_shard_, /*non_blocking=*/true);
   }
   use_unsharded_views();
   unsharded_ = true;
 }
 
-bool FlatParamHandle::needs_unsharded_buffer() const { return options_.shard || mixed_precision_; }
+bool FlatParamHandle::needs_unsharded_buffer() const {
+  return options_.shard || mixed_precision_ || options_.offload_to_cpu;
+}
 
 void FlatParamHandle::reshard() {
   if (!unsharded_ && !pending_unshard_.valid()) return;
@@ -277,7 +285,7 @@ std::pair<double, double> divide_factors(int world, c10::ScalarType reduce_dtype
 void FlatParamHandle::reduce_gradients(bool sync) {
   if (!requires_grad_) return;
   finalize_gradients();  // one reduction in flight per handle
-  const auto reduce_options = local_shard_.options().dtype(reduce_dtype_);
+  const auto reduce_options = local_shard_.options().dtype(reduce_dtype_).device(compute_device_);
   at::Tensor flat = accumulated_grad_.defined() ? accumulated_grad_ : at::zeros({layout_.padded_numel}, reduce_options);
   accumulated_grad_ = at::Tensor();
   {
@@ -327,6 +335,7 @@ void FlatParamHandle::finalize_gradients() {
     options_.replicate->all_reduce(grad, c10d::ReduceOp::SUM, unit_fqn_).wait();
     grad.div_(options_.replicate->size());
   }
+  grad = grad.to(local_shard_.device());  // host memory with offload
   if (saved_grad_.defined()) grad.add_(saved_grad_);
   sharded_grad_ = grad;
   saved_grad_ = at::Tensor();

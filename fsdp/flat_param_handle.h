@@ -51,6 +51,10 @@ struct FlatParamHandleOptions {
   std::optional<c10::ScalarType> param_dtype;
   /// The dtype gradients are reduced in. Unset: param_dtype if set, else the parameters' dtype.
   std::optional<c10::ScalarType> reduce_dtype;
+  /// CPU offload: the shard and the sharded gradient live in host memory (pinned when computing on
+  /// CUDA), so the optimizer steps on the host; the shard is copied to `device` to be all-gathered
+  /// and the reduced gradient copied back.
+  bool offload_to_cpu = false;
 };
 
 class FlatParamHandle {
@@ -132,7 +136,9 @@ class FlatParamHandle {
   FlatParamLayout layout_;
   std::vector<ShardSlice> slices_;    // per original parameter, this rank's slice (maybe empty)
   at::Tensor local_shard_;            // 1-D [shard_numel]
-  at::Tensor low_precision_shard_;    // 1-D [shard_numel] in compute_dtype_ (mixed precision only)
+  at::Tensor compute_shard_;          // 1-D [shard_numel] in compute_dtype_ on the compute device,
+                                      // when the shard is not that already (mixed precision, offload)
+  at::Device compute_device_ = at::kCPU;
   at::Tensor padded_unsharded_;       // 1-D [padded_numel]; storage freed while resharded
   at::Tensor sharded_grad_;           // 1-D [shard_numel] or undefined
   at::Tensor saved_grad_;             // set aside before backward, added after the reduction

@@ -95,6 +95,12 @@ int64_t CountingAllocator::allocations() const {
   return allocations_;
 }
 
+int64_t CountingAllocator::live_bytes(const void* data) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = live_.find(data);
+  return it == live_.end() ? 0 : it->second;
+}
+
 void CountingAllocator::watch(std::vector<const c10::StorageImpl*> storages) {
   std::lock_guard<std::mutex> lock(mutex_);
   watched_ = std::move(storages);

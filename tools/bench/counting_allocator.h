@@ -36,6 +36,8 @@ class CountingAllocator final : public c10::Allocator {
   void reset_peak();
   /// Number of allocations made through this allocator.
   int64_t allocations() const;
+  /// The bytes of the live allocation starting at `data` (0 when none made here is live there).
+  int64_t live_bytes(const void* data) const;
 
   /// The storages whose live bytes watched_current()/watched_peak() add up.
   void watch(std::vector<const c10::StorageImpl*> storages);

@@ -21,6 +21,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -339,16 +340,34 @@ void bench_timing(JsonWriter& w, const std::string& model, const Flags& f, const
   w.end_object();
 }
 
-/// Per-rank bytes of one variant, counted by the allocator (deltas from before it was built).
+/// Adds up the allocator's bytes behind the storages of `tensors`, each storage once.
+class StorageBytes {
+ public:
+  explicit StorageBytes(const fsdp::bench::CountingAllocator& alloc) : alloc_(alloc) {}
+  int64_t add(const at::Tensor& t) {
+    if (!t.defined() || !t.has_storage()) return 0;
+    const void* data = t.storage().data_ptr().get();
+    if (data == nullptr || !seen_.insert(data).second) return 0;
+    return alloc_.live_bytes(data);
+  }
+
+ private:
+  const fsdp::bench::CountingAllocator& alloc_;
+  std::set<const void*> seen_;
+};
+
+/// Per-rank bytes of one variant, counted by the allocator: the live allocations behind the
+/// parameters, the gradients and AdamW's state between steps, the peak of the unsharded buffers
+/// (fsdp) and the peak of everything else forward and backward allocate on top (activations,
+/// unsharded buffers and gradients, ...).
 void bench_memory(JsonWriter& w, const std::string& model, bool fsdp, const Flags& f,
                   const TensorMap& t, fsdp::comm::Communicator& comm) {
   auto& alloc = fsdp::bench::CountingAllocator::install();
-  int64_t params = 0, full_params = 0, grads = 0, optim_state = 0, transient = 0, unsharded = 0;
+  int64_t params = 0, grads = 0, optim_state = 0, persistent = 0, transient = 0, unsharded = 0;
   int64_t lib_shards = 0, lib_grads = 0;
   {
     const int64_t a0 = alloc.current();
     auto tr = make_trainee(model, fsdp, t, comm.rank(), f.lr);
-    params = alloc.current() - a0;
     // Two steps: lazy initialisation, and the optimizer's state (created at its first step).
     train_step(*tr, 0);
     train_step(*tr, 1);
@@ -363,35 +382,42 @@ void bench_memory(JsonWriter& w, const std::string& model, bool fsdp, const Flag
         unit.reshard();
       }
       alloc.watch(storages);
-      for (auto& unit : tr->units) {
-        for (const auto& h : unit.handles()) {
-          lib_shards += static_cast<int64_t>(h->local_shard().nbytes());
-          lib_grads += static_cast<int64_t>(h->sharded_grad_bytes());
-        }
-      }
-    } else {
-      for (const auto& p : tr->module->parameters()) full_params += static_cast<int64_t>(p.nbytes());
     }
     for (int64_t i = 2; i < 4; ++i) {
-      const int64_t with_grads = alloc.current() - a0;
       tr->optim->zero_grad();
-      const int64_t without_grads = alloc.current() - a0;
-      grads = with_grads - without_grads;
-      optim_state = without_grads - params;
+      const int64_t before = alloc.current();
       alloc.reset_peak();
       at::Tensor loss = tr->loss(i);
       loss.backward();
-      transient = std::max(transient, alloc.peak() - a0 - without_grads);
+      transient = std::max(transient, alloc.peak() - before);
       if (fsdp) unsharded = std::max(unsharded, alloc.watched_peak());
       tr->optim->step();
     }
     alloc.watch({});
+    // Between steps: what each kind of state holds.
+    persistent = alloc.current() - a0;
+    StorageBytes param_bytes(alloc), grad_bytes(alloc), optim_bytes(alloc);
+    for (const auto& p : tr->module->parameters()) {
+      params += param_bytes.add(p);
+      grads += grad_bytes.add(p.grad());
+    }
+    for (const auto& entry : tr->optim->state()) {
+      const auto& s = static_cast<const torch::optim::AdamWParamState&>(*entry.second);
+      optim_state += optim_bytes.add(s.exp_avg()) + optim_bytes.add(s.exp_avg_sq()) +
+                     optim_bytes.add(s.max_exp_avg_sq());
+    }
+    for (auto& unit : tr->units) {
+      for (const auto& h : unit.handles()) {
+        lib_shards += static_cast<int64_t>(h->local_shard().nbytes());
+        lib_grads += static_cast<int64_t>(h->sharded_grad_bytes());
+      }
+    }
   }
   w.key(fsdp ? "fsdp" : "local").begin_object();
   w.member("params", params).member("grads", grads).member("optimizer", optim_state);
-  w.member("peak_unsharded", unsharded).member("peak_forward_backward_transient", transient);
+  w.member("peak_unsharded", unsharded).member("persistent_total", persistent);
+  w.member("peak_forward_backward_transient", transient);
   if (fsdp) w.member("library_local_shard_bytes", lib_shards).member("library_sharded_grad_bytes", lib_grads);
-  else w.member("library_param_bytes", full_params);
   w.end_object();
 }
 

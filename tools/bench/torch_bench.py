@@ -223,6 +223,15 @@ def bench_models(rank, world, args, tensors):
     return out
 
 
+def load_init(path):
+    """The init file: a dict of named tensors written by torch::pickle_save in C++ (its typed dict
+    carries a type tag, which weights_only loading allows once named)."""
+    import torch.jit._pickle
+    with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
+        tensors = torch.load(path, weights_only=True)
+    return dict(tensors)
+
+
 def init_pg(rank, world, store_path):
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -232,14 +241,20 @@ def worker(rank, world, args, result_path, store_path):
     torch.set_num_threads(args.threads)
     init_pg(rank, world, store_path)
     try:
-        tensors = torch.load(args.init, weights_only=True)
+        tensors = load_init(args.init)
         mine = {"rank": rank, "timing": bench_models(rank, world, args, tensors)}
-        gathered = [None] * world
-        dist.all_gather_object(gathered, mine)
+        with open(f"{result_path}.rank{rank}", "w") as f:
+            json.dump(mine, f)
+        dist.barrier()
         if rank == 0:
+            ranks = []
+            for r in range(world):
+                with open(f"{result_path}.rank{r}") as f:
+                    ranks.append(json.load(f))
+                os.remove(f"{result_path}.rank{r}")
             with open(result_path, "w") as f:
                 json.dump({"program": "torch_bench", "torch": torch.__version__, "world_size": world,
-                           "threads": torch.get_num_threads(), "ranks": gathered}, f)
+                           "threads": torch.get_num_threads(), "ranks": ranks}, f)
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,479 @@
+#!/usr/bin/env python3
+"""Merges the benchmark programs' JSON (fsdp_bench at world sizes 1 and 2, torch_bench at world
+sizes 1 and 2, torch_bench --check), prints the tables, checks the targets, writes one JSON and
+renders a PNG chart.
+
+    python3 tools/bench/report.py --dir DIR --out results.json --png results.png
+
+DIR holds cpp_w1.json, cpp_w2.json, py_w1.json, py_w2.json and py_check.json (any may be missing;
+what depends on it is reported as missing).
+
+Definitions (every time is a median over the steps after warm-up):
+  step time          zero_grad + forward + backward + AdamW step; at world size 2 the slower rank's
+                     time of each step.
+  overhead/unit/step (t_sharded - t_local) / units, at world size 1, each side against its own
+                     local training of the same model in the same process (steps interleaved).
+  memory formula     per rank: sharded state / W (parameters, gradients, 2 AdamW moments: the
+                     handles' shard bytes) + the root's unsharded FlatParameters + the in-flight
+                     limit (2) x the largest non-root unit's unsharded FlatParameters.
+  comm formula       per handle: padded bytes in its communication dtype x calls per step (all-gather:
+                     2 for a non-root FULL_SHARD unit, 1 for the root; reduce-scatter: 1 when it
+                     requires grad); the Communicator counts that full payload per call, a rank
+                     sends that x (W-1)/W.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+OVERHEAD_RATIO_TARGET = 5.0   # ours at most 1/5 of FSDP2's per unit per step (100-unit model)
+STEP_TIME_TARGET = 0.05       # within 5% of local training (compute-bound model, W=1)
+MEMORY_TARGET = 0.10          # within 10% of the formula
+LOSS_TOLERANCE = 1e-5         # first losses, this project vs PyTorch
+IN_FLIGHT_LIMIT = 2
+
+MODEL_TITLES = {"tiny": "100 x Linear(8,8) units (overhead-bound)",
+                "gpt": "GPT (compute-bound)"}
+
+
+def load(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def med(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def measured(variant, warmup):
+    return {k: variant[k][warmup:] for k in ("step_s", "fb_s", "opt_s")}
+
+
+def step_times(run, model, variant):
+    """Per measured step, the slowest rank's time (seconds), or None."""
+    if run is None:
+        return None
+    per_rank = []
+    for r in run["ranks"]:
+        m = r["timing"].get(model)
+        if not m or variant not in m["variants"]:
+            return None
+        per_rank.append(m["variants"][variant]["step_s"][m["warmup"]:])
+    return [max(ts) for ts in zip(*per_rank)]
+
+
+def phase_median(run, model, variant, key):
+    m = run["ranks"][0]["timing"][model]
+    return med(m["variants"][variant][key][m["warmup"]:])
+
+
+def losses(run, model, variant, rank=0):
+    if run is None:
+        return None
+    m = run["ranks"][rank]["timing"].get(model)
+    if not m or variant not in m["variants"]:
+        return None
+    return m["variants"][variant]["losses"]
+
+
+def fmt_bytes(b):
+    if b is None or (isinstance(b, float) and math.isnan(b)):
+        return "-"
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(b) >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{int(b)} B"
+
+
+def table(headers, rows):
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h))
+              for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w)
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    out = [line(headers), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in rows]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Formulas from the handles fsdp_bench reports
+
+def unit_groups(handles):
+    units = {}
+    for h in handles:
+        units.setdefault((h["unit"], h["root"]), []).append(h)
+    return units
+
+
+def memory_formula(handles):
+    params = sum(h["shard_numel"] * h["element_size"] for h in handles)
+    grads = sum(h["shard_numel"] * h["element_size"] for h in handles if h["requires_grad"])
+    optim = 2 * grads
+    root = 0
+    largest = 0
+    for (unit, is_root), hs in unit_groups(handles).items():
+        b = sum(h["padded_numel"] * h["all_gather_element_size"] for h in hs)
+        if is_root:
+            root += b
+        else:
+            largest = max(largest, b)
+    unsharded = root + IN_FLIGHT_LIMIT * largest
+    return {"params": params, "grads": grads, "optimizer": optim, "peak_unsharded": unsharded,
+            "root_unsharded": root, "largest_unit_unsharded": largest}
+
+
+def comm_formula(handles, world):
+    ag_calls = ag_bytes = rs_calls = rs_bytes = 0
+    for h in handles:
+        calls = 1 if h["root"] else 2   # FULL_SHARD: forward and backward; the root stays unsharded
+        ag_calls += calls
+        ag_bytes += calls * h["padded_numel"] * h["all_gather_element_size"]
+        if h["requires_grad"]:
+            rs_calls += 1
+            rs_bytes += h["padded_numel"] * h["reduce_element_size"]
+    sent = (world - 1) / world
+    return {"all_gather": {"calls": ag_calls, "bytes": ag_bytes, "sent_bytes": ag_bytes * sent},
+            "reduce_scatter": {"calls": rs_calls, "bytes": rs_bytes, "sent_bytes": rs_bytes * sent}}
+
+
+# ---------------------------------------------------------------------------------------------
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--png", required=True)
+    args = p.parse_args()
+    d = args.dir
+    cpp1, cpp2 = load(os.path.join(d, "cpp_w1.json")), load(os.path.join(d, "cpp_w2.json"))
+    py1, py2 = load(os.path.join(d, "py_w1.json")), load(os.path.join(d, "py_w2.json"))
+    check = load(os.path.join(d, "py_check.json"))
+    models = list(cpp1["ranks"][0]["timing"]) if cpp1 else ["tiny", "gpt"]
+    results = {"definitions": __doc__.split("Definitions")[1].strip(), "models": {}, "targets": []}
+    text = []
+    say = text.append
+
+    if check:
+        say(f"PyTorch {check['torch']} on the CPU with Gloo (world size 1):")
+        for k, v in check["checks"].items():
+            say(f"  {k}: {v}")
+        say("")
+        results["pytorch_cpu_checks"] = check
+
+    for model in models:
+        res = {"title": MODEL_TITLES.get(model, model)}
+        results["models"][model] = res
+        cm = cpp1["ranks"][0]["timing"][model] if cpp1 else None
+        units = cm["units_with_params"] if cm else None
+        res["units"] = units
+        # --- world size 1: step time and overhead per unit
+        rows, w1 = [], {}
+        sides = [("this project: local", cpp1, "local", "cpp"),
+                 ("this project: fully_shard", cpp1, "fsdp", "cpp"),
+                 ("PyTorch: local", py1, "local", "py"),
+                 ("PyTorch: FSDP2 fully_shard", py1, "fsdp2", "py"),
+                 ("PyTorch: FSDP1 FSDP(use_orig_params)", py1, "fsdp1", "py")]
+        ref_loss = (losses(cpp1, model, "fsdp") or [float("nan")])[0]
+        for label, run, variant, side in sides:
+            ts = step_times(run, model, variant)
+            if ts is None:
+                continue
+            t = med(ts)
+            local = med(step_times(run, model, "local") or [])
+            ov = (t - local) / units if variant != "local" and units else None
+            first = losses(run, model, variant)[0]
+            entry = {"step_ms": t * 1e3, "fb_ms": phase_median(run, model, variant, "fb_s") * 1e3,
+                     "opt_ms": phase_median(run, model, variant, "opt_s") * 1e3,
+                     "overhead_per_unit_step_us": ov * 1e6 if ov is not None else None,
+                     "vs_local": t / local - 1 if variant != "local" else None,
+                     "first_loss": first, "last_loss": losses(run, model, variant)[-1],
+                     "first_loss_diff_vs_this_project": abs(first - ref_loss),
+                     "steps": len(ts)}
+            if variant == "fsdp1":
+                entry["sharding"] = run["ranks"][0]["timing"][model]["variants"][variant]["sharding"]
+            w1[f"{side}:{variant}"] = entry
+            rows.append([label, f"{entry['step_ms']:.2f}", f"{entry['fb_ms']:.2f}",
+                         f"{entry['opt_ms']:.2f}",
+                         "-" if entry["vs_local"] is None else f"{100 * entry['vs_local']:+.1f}%",
+                         "-" if ov is None else f"{ov * 1e6:.1f}",
+                         f"{first:.8f}", f"{entry['first_loss_diff_vs_this_project']:.1e}"])
+        res["world1"] = w1
+        say(f"== {res['title']}: world size 1, {units} units with parameters, "
+            f"medians over {cm['steps'] if cm else '?'} (C++) steps after warm-up ==")
+        say(table(["variant", "step ms", "fwd+bwd ms", "optim ms", "vs local", "overhead us/unit/step",
+                   "first loss", "|d first loss|"], rows))
+        if "py:fsdp1" in w1:
+            say(f"  (FSDP1 at world size 1 runs {w1['py:fsdp1'].get('sharding')}: it switches "
+                f"FULL_SHARD to NO_SHARD on one rank)")
+        say("")
+
+        # --- world size 2: step time and losses
+        rows, w2 = [], {}
+        ref2 = [losses(cpp2, model, "fsdp", r) for r in (0, 1)] if cpp2 else None
+        for label, run, variant, side in [("this project: fully_shard (mpirun -np 2)", cpp2, "fsdp", "cpp"),
+                                          ("PyTorch: FSDP2 (gloo, 2 processes)", py2, "fsdp2", "py"),
+                                          ("PyTorch: FSDP1 (gloo, 2 processes)", py2, "fsdp1", "py")]:
+            ts = step_times(run, model, variant)
+            if ts is None:
+                continue
+            l0, l1 = losses(run, model, variant, 0), losses(run, model, variant, 1)
+            entry = {"step_ms": med(ts) * 1e3, "first_loss_rank0": l0[0], "first_loss_rank1": l1[0],
+                     "last_loss_rank0": l0[-1], "steps": len(ts),
+                     "first_loss_diff_vs_this_project":
+                         max(abs(l0[0] - ref2[0][0]), abs(l1[0] - ref2[1][0])) if ref2 else None,
+                     "last_loss_diff_vs_this_project": abs(l0[-1] - ref2[0][-1]) if ref2 else None}
+            w2[f"{side}:{variant}"] = entry
+            rows.append([label, f"{entry['step_ms']:.2f}", f"{l0[0]:.8f}", f"{l1[0]:.8f}",
+                         "-" if entry["first_loss_diff_vs_this_project"] is None
+                         else f"{entry['first_loss_diff_vs_this_project']:.1e}",
+                         f"{l0[-1]:.6f}",
+                         "-" if entry["last_loss_diff_vs_this_project"] is None
+                         else f"{entry['last_loss_diff_vs_this_project']:.1e}"])
+        res["world2"] = w2
+        say(f"== {res['title']}: world size 2 (2 processes on this machine's cores) ==")
+        say(table(["variant", "step ms", "first loss r0", "first loss r1", "|d first loss|",
+                   "last loss r0", "|d last loss|"], rows))
+        say("")
+
+        # --- memory per rank, counted by the allocator
+        res["memory"] = {}
+        for world, run in ((1, cpp1), (2, cpp2)):
+            if run is None or "memory" not in run["ranks"][0]:
+                continue
+            handles = run["ranks"][0]["timing"][model]["handles"]
+            rows = []
+            per_rank = []
+            for r in run["ranks"]:
+                hs = r["timing"][model]["handles"]
+                f = memory_formula(hs)
+                m = r["memory"][model]["fsdp"]
+                loc = r["memory"][model]["local"]
+                comp = {}
+                for key in ("params", "grads", "optimizer", "peak_unsharded"):
+                    comp[key] = {"measured": m[key], "formula": f[key], "local": loc[key]}
+                comp["total"] = {"measured": sum(m[k] for k in ("params", "grads", "optimizer", "peak_unsharded")),
+                                 "formula": sum(f[k] for k in ("params", "grads", "optimizer", "peak_unsharded")),
+                                 "local": sum(loc[k] for k in ("params", "grads", "optimizer"))}
+                for v in comp.values():
+                    v["ratio"] = v["measured"] / v["formula"] if v["formula"] else (1.0 if v["measured"] == 0 else float("inf"))
+                per_rank.append({"rank": r["rank"], "components": comp,
+                                 "peak_forward_backward_transient": m["peak_forward_backward_transient"],
+                                 "local_peak_forward_backward_transient": loc["peak_forward_backward_transient"],
+                                 "root_unsharded_formula": f["root_unsharded"],
+                                 "largest_unit_unsharded_formula": f["largest_unit_unsharded"]})
+            res["memory"][f"W{world}"] = per_rank
+            for pr in per_rank:
+                for key in ("params", "grads", "optimizer", "peak_unsharded", "total"):
+                    c = pr["components"][key]
+                    rows.append([f"rank {pr['rank']}", key, fmt_bytes(c["measured"]), fmt_bytes(c["formula"]),
+                                 f"{100 * (c['ratio'] - 1):+.1f}%", fmt_bytes(c["local"])])
+            say(f"== {res['title']}: memory per rank, world size {world} (counting CPU allocator; "
+                f"formula: shard bytes, 2 AdamW moments, root {fmt_bytes(per_rank[0]['root_unsharded_formula'])} "
+                f"+ {IN_FLIGHT_LIMIT} x largest unit {fmt_bytes(per_rank[0]['largest_unit_unsharded_formula'])} unsharded) ==")
+            say(table(["rank", "state", "measured", "formula", "vs formula", "local training"], rows))
+            say(f"  activations etc. (peak of forward+backward on top of the state): fully_shard "
+                f"{fmt_bytes(per_rank[0]['peak_forward_backward_transient'])}, local "
+                f"{fmt_bytes(per_rank[0]['local_peak_forward_backward_transient'])}")
+            say("")
+
+        # --- communication per step
+        res["comm"] = {}
+        rows = []
+        for world, run in ((1, cpp1), (2, cpp2)):
+            if run is None:
+                continue
+            r0 = run["ranks"][0]["timing"][model]
+            f = comm_formula(r0["handles"], world)
+            entry = {}
+            for kind in ("all_gather", "reduce_scatter"):
+                got = r0["comm_per_step"][kind]
+                sent = got["bytes"] * (world - 1) / world
+                equal = got["calls"] == f[kind]["calls"] and got["bytes"] == f[kind]["bytes"]
+                entry[kind] = {"measured_calls": got["calls"], "measured_bytes": got["bytes"],
+                               "measured_sent_bytes": sent, "formula_calls": f[kind]["calls"],
+                               "formula_bytes": f[kind]["bytes"], "formula_sent_bytes": f[kind]["sent_bytes"],
+                               "equal": equal}
+                rows.append([f"W={world}", kind, f"{got['calls']:g}", f"{f[kind]['calls']}",
+                             f"{got['bytes']:.0f}", f"{f[kind]['bytes']}", f"{sent:.0f}",
+                             f"{f[kind]['sent_bytes']:.0f}", "yes" if equal else "NO"])
+            others = {k: v for k, v in r0["comm_per_step"].items()
+                      if k not in ("all_gather", "reduce_scatter") and v["calls"]}
+            entry["other_collectives_per_step"] = others
+            res["comm"][f"W{world}"] = entry
+        say(f"== {res['title']}: collectives per step (rank 0; payload as the Communicator counts it, "
+            f"sent = payload x (W-1)/W) ==")
+        say(table(["world", "collective", "calls", "formula", "payload B", "formula B", "sent B",
+                   "formula sent B", "equal"], rows))
+        say("")
+
+    # --- targets
+    targets = results["targets"]
+
+    def target(name, met, measured_text, detail=None):
+        targets.append({"target": name, "met": met, "measured": measured_text, "detail": detail})
+
+    tiny = results["models"].get("tiny", {}).get("world1", {})
+    if "cpp:fsdp" in tiny and "py:fsdp2" in tiny:
+        ours = tiny["cpp:fsdp"]["overhead_per_unit_step_us"]
+        theirs = tiny["py:fsdp2"]["overhead_per_unit_step_us"]
+        target("overhead per unit per step <= 1/5 of FSDP2's (100-unit model, W=1)",
+               ours <= theirs / OVERHEAD_RATIO_TARGET,
+               f"{ours:.1f} us vs FSDP2 {theirs:.1f} us (1/{theirs / ours:.1f})" if ours > 0 else
+               f"{ours:.1f} us vs FSDP2 {theirs:.1f} us")
+    gpt = results["models"].get("gpt", {}).get("world1", {})
+    if "cpp:fsdp" in gpt:
+        v = gpt["cpp:fsdp"]["vs_local"]
+        target("step time within 5% of local training (compute-bound GPT, W=1)",
+               v <= STEP_TIME_TARGET,
+               f"{100 * v:+.1f}% ({gpt['cpp:fsdp']['step_ms']:.1f} ms vs {gpt['cpp:local']['step_ms']:.1f} ms)")
+    for model, res in results["models"].items():
+        for w, per_rank in res.get("memory", {}).items():
+            worst = max(per_rank, key=lambda pr: max(abs(c["ratio"] - 1) for c in pr["components"].values()))
+            dev = {k: c["ratio"] - 1 for k, c in worst["components"].items()}
+            key = max(dev, key=lambda k: abs(dev[k]))
+            target(f"memory within 10% of the formula ({model}, {w})",
+                   all(abs(x) <= MEMORY_TARGET for x in dev.values()),
+                   f"total {100 * dev['total']:+.1f}%, worst component {key} {100 * dev[key]:+.1f}% "
+                   f"(rank {worst['rank']})")
+        for w, entry in res.get("comm", {}).items():
+            ok = entry["all_gather"]["equal"] and entry["reduce_scatter"]["equal"]
+            target(f"communication bytes equal the formula ({model}, {w})", ok,
+                   f"all-gather {entry['all_gather']['measured_bytes']:.0f} B / "
+                   f"{entry['all_gather']['formula_bytes']} B, reduce-scatter "
+                   f"{entry['reduce_scatter']['measured_bytes']:.0f} B / {entry['reduce_scatter']['formula_bytes']} B")
+    diffs = []
+    for model, res in results["models"].items():
+        for k, e in res.get("world1", {}).items():
+            diffs.append((e["first_loss_diff_vs_this_project"], f"{model} W=1 {k}"))
+        for k, e in res.get("world2", {}).items():
+            if e["first_loss_diff_vs_this_project"] is not None:
+                diffs.append((e["first_loss_diff_vs_this_project"], f"{model} W=2 {k}"))
+    if diffs:
+        worst = max(diffs)
+        target("first losses agree to 1e-5 (this project vs PyTorch, same weights and data)",
+               worst[0] <= LOSS_TOLERANCE, f"largest difference {worst[0]:.1e} ({worst[1]})")
+
+    say("== targets ==")
+    say(table(["", "target", "measured"],
+              [["MET" if t["met"] else "MISSED", t["target"], t["measured"]] for t in targets]))
+
+    print("\n".join(text))
+    results["report_text"] = "\n".join(text)
+    results["raw"] = {"cpp_w1": cpp1, "cpp_w2": cpp2, "py_w1": py1, "py_w2": py2}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    render(results, args.png)
+    print(f"\nJSON: {args.out}\nPNG:  {args.png}")
+    return 0
+
+
+def render(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(18, 10))
+    colors = {"this project": "#1f77b4", "FSDP2": "#d62728", "FSDP1": "#ff7f0e", "local": "#7f7f7f",
+              "PyTorch local": "#bcbd22"}
+
+    def bars(ax, labels, values, title, ylabel, log=False, cols=None):
+        xs = range(len(labels))
+        ax.bar(xs, values, color=cols or [colors.get(l.split("\n")[0], "#1f77b4") for l in labels])
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel(ylabel)
+        if log:
+            ax.set_yscale("log")
+        for x, v in zip(xs, values):
+            ax.annotate(f"{v:.3g}", (x, v), ha="center", va="bottom", fontsize=8)
+
+    models = results["models"]
+    # 1: overhead per unit per step, W=1
+    ax = axes[0][0]
+    labels, values = [], []
+    for model in models:
+        w1 = models[model].get("world1", {})
+        for k, name in (("cpp:fsdp", "this project"), ("py:fsdp2", "FSDP2"), ("py:fsdp1", "FSDP1")):
+            if k in w1 and w1[k]["overhead_per_unit_step_us"] is not None:
+                labels.append(f"{name}\n{model}")
+                values.append(max(w1[k]["overhead_per_unit_step_us"], 1e-3))
+    bars(ax, labels, values, "Overhead per unit per step, W=1 (us, log)", "us", log=True)
+    # 2, 3: step times W=1 and W=2
+    for ax, world in ((axes[0][1], "world1"), (axes[0][2], "world2")):
+        labels, values = [], []
+        for model in models:
+            for k, name in (("cpp:local", "local"), ("cpp:fsdp", "this project"), ("py:local", "PyTorch local"),
+                            ("py:fsdp2", "FSDP2"), ("py:fsdp1", "FSDP1")):
+                e = models[model].get(world, {}).get(k)
+                if e:
+                    labels.append(f"{name}\n{model}")
+                    values.append(e["step_ms"])
+        bars(ax, labels, values, f"Step time, {'W=1' if world == 'world1' else 'W=2'} (ms, log)", "ms", log=True)
+        for lab in ax.get_xticklabels():
+            lab.set_rotation(45)
+    # 4: memory vs formula
+    ax = axes[1][0]
+    labels, meas, form = [], [], []
+    for model in models:
+        for w, per_rank in models[model].get("memory", {}).items():
+            c = per_rank[0]["components"]
+            for key in ("params", "grads", "optimizer", "peak_unsharded"):
+                labels.append(f"{model} {w}\n{key.replace('peak_', '')}")
+                meas.append(c[key]["measured"])
+                form.append(c[key]["formula"])
+    xs = list(range(len(labels)))
+    ax.bar([x - 0.2 for x in xs], meas, 0.4, label="measured (allocator)")
+    ax.bar([x + 0.2 for x in xs], form, 0.4, label="formula")
+    ax.set_xticks(xs)
+    ax.set_xticklabels(labels, fontsize=6, rotation=90)
+    ax.set_yscale("log")
+    ax.set_title("Memory per rank (rank 0), bytes (log)", fontsize=10)
+    ax.legend(fontsize=8)
+    # 5: comm vs formula
+    ax = axes[1][1]
+    labels, meas, form = [], [], []
+    for model in models:
+        for w, e in models[model].get("comm", {}).items():
+            for kind in ("all_gather", "reduce_scatter"):
+                labels.append(f"{model} {w}\n{kind.replace('_', '-')}")
+                meas.append(e[kind]["measured_bytes"])
+                form.append(e[kind]["formula_bytes"])
+    xs = list(range(len(labels)))
+    ax.bar([x - 0.2 for x in xs], meas, 0.4, label="Communicator")
+    ax.bar([x + 0.2 for x in xs], form, 0.4, label="formula")
+    ax.set_xticks(xs)
+    ax.set_xticklabels(labels, fontsize=7, rotation=90)
+    ax.set_yscale("log")
+    ax.set_title("Payload per step (bytes, log)", fontsize=10)
+    ax.legend(fontsize=8)
+    # 6: GPT loss curves at W=1
+    ax = axes[1][2]
+    raw = results["raw"]
+    for run_key, variant, name in (("cpp_w1", "local", "this project local"), ("cpp_w1", "fsdp", "this project fully_shard"),
+                                   ("py_w1", "fsdp2", "FSDP2"), ("py_w1", "fsdp1", "FSDP1"),
+                                   ("cpp_w2", "fsdp", "this project W=2 rank 0"), ("py_w2", "fsdp2", "FSDP2 W=2 rank 0")):
+        run = raw.get(run_key)
+        ls = losses(run, "gpt", variant) if run else None
+        if ls:
+            ax.plot(range(len(ls)), ls, label=name, linestyle="--" if "W=2" in name else "-")
+    ax.set_title("GPT loss per step (same weights and data)", fontsize=10)
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7)
+    met = sum(t["met"] for t in results["targets"])
+    fig.suptitle(f"fully_shard (LibTorch) vs local training vs PyTorch FSDP2/FSDP1, CPU, "
+                 f"1 thread per rank: {met}/{len(results['targets'])} targets met", fontsize=12)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=90)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
