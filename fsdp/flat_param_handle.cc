@@ -76,6 +76,7 @@ FlatParamHandle::FlatParamHandle(std::vector<OrigParam> params,
   layout_ = make_flat_param_layout(layout_inputs(params_), mixed_precision_ ? compute_dtype_ : dtype, world);
   layout_.dtype = dtype;
   compute_device_ = options_.device.value_or(device);
+  streams_ = device_streams_for(compute_device_);
   const at::Device shard_device = options_.offload_to_cpu ? at::Device(at::kCPU) : compute_device_;
   const auto tensor_options = at::TensorOptions().dtype(dtype).device(shard_device);
   local_shard_ = at::zeros({layout_.shard_numel()}, tensor_options);
@@ -174,14 +175,16 @@ void FlatParamHandle::start_unshard() {
   if (unsharded_ || pending_unshard_.valid() || !options_.shard) return;
   write_back_replaced_data();
   resize_storage(padded_unsharded_, layout_.padded_numel * padded_unsharded_.element_size());
-  const at::Tensor* source = &local_shard_;
-  if (compute_shard_.defined()) {
-    c10::NoGradGuard no_grad;
-    // In the compute dtype, on the compute device (from host memory with offload).
-    compute_shard_.copy_(local_shard_, /*non_blocking=*/true);
-    source = &compute_shard_;
-  }
-  pending_unshard_ = comm_->all_gather_into_tensor(padded_unsharded_, *source, unit_fqn_);
+  streams_->on_unshard_stream([&] {
+    const at::Tensor* source = &local_shard_;
+    if (compute_shard_.defined()) {
+      c10::NoGradGuard no_grad;
+      // In the compute dtype, on the compute device (from host memory with offload).
+      compute_shard_.copy_(local_shard_, /*non_blocking=*/true);
+      source = &compute_shard_;
+    }
+    pending_unshard_ = comm_->all_gather_into_tensor(padded_unsharded_, *source, unit_fqn_);
+  });
 }
 
 void FlatParamHandle::unshard() {
@@ -195,6 +198,7 @@ void FlatParamHandle::unshard() {
     start_unshard();
     pending_unshard_.wait();
     pending_unshard_ = {};
+    streams_->compute_waits_for_unshard();
   } else {  // NO_SHARD with mixed precision or offload: a copy, no collective
     write_back_replaced_data();
     resize_storage(padded_unsharded_, layout_.padded_numel * padded_unsharded_.element_size());
@@ -309,21 +313,21 @@ void FlatParamHandle::reduce_gradients(bool sync) {
   const auto [pre, post] = divide_factors(comm_->size(), reduce_dtype_);
   if (pre != 1.0) flat.div_(pre);
   post_divide_ = post;
+  // Held until finalize_gradients(), after the compute stream waited for the reduction.
   reduce_input_ = flat;
-  if (options_.shard) {
-    reduce_output_ = at::empty({layout_.shard_numel()}, reduce_options);
-    pending_reduce_ = comm_->reduce_scatter_tensor(reduce_output_, reduce_input_,
-                                                   c10d::ReduceOp::SUM, unit_fqn_);
-  } else {
-    reduce_output_ = reduce_input_;
-    pending_reduce_ = comm_->all_reduce(reduce_output_, c10d::ReduceOp::SUM, unit_fqn_);
-  }
+  reduce_output_ = options_.shard ? at::empty({layout_.shard_numel()}, reduce_options) : reduce_input_;
+  streams_->on_reduce_stream([&] {
+    pending_reduce_ = options_.shard
+                          ? comm_->reduce_scatter_tensor(reduce_output_, reduce_input_, c10d::ReduceOp::SUM, unit_fqn_)
+                          : comm_->all_reduce(reduce_output_, c10d::ReduceOp::SUM, unit_fqn_);
+  });
 }
 
 void FlatParamHandle::finalize_gradients() {
   if (!pending_reduce_.valid()) return;
   pending_reduce_.wait();
   pending_reduce_ = {};
+  streams_->compute_waits_for_reduce();
   reduce_input_ = at::Tensor();
   c10::NoGradGuard no_grad;
   // Gradients are in the parameters' dtype after sync, whatever dtype they were reduced in.

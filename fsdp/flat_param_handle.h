@@ -32,6 +32,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "comm/communicator.h"
+#include "fsdp/device_streams.h"
 #include "fsdp/flat_param_layout.h"
 
 namespace fsdp {
@@ -139,6 +140,7 @@ class FlatParamHandle {
   at::Tensor compute_shard_;          // 1-D [shard_numel] in compute_dtype_ on the compute device,
                                       // when the shard is not that already (mixed precision, offload)
   at::Device compute_device_ = at::kCPU;
+  std::shared_ptr<DeviceStreams> streams_;  // [Note: streams]
   at::Tensor padded_unsharded_;       // 1-D [padded_numel]; storage freed while resharded
   at::Tensor sharded_grad_;           // 1-D [shard_numel] or undefined
   at::Tensor saved_grad_;             // set aside before backward, added after the reduction

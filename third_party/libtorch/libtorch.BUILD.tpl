@@ -39,6 +39,6 @@ cc_library(
 
 cc_library(
     name = "torch_cuda",
-    linkopts = _RPATH + ["-Wl,--no-as-needed", "-ltorch_cuda", "-lc10_cuda", "-Wl,--as-needed"],
+    linkopts = _RPATH + ["-Wl,--no-as-needed", "-ltorch_cuda", "-lc10_cuda", "-Wl,--as-needed"] + %{CUDART_LINKOPTS},
     deps = [":cuda_headers", ":torch_cpu"],
 )

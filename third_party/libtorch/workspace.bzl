@@ -9,6 +9,11 @@ _CUDA_INCLUDE_CANDIDATES = [
     "../nvidia/cuda_runtime/include",  # torch wheels built for CUDA 12
 ]
 
+_CUDART_LIB_CANDIDATES = [
+    "../nvidia/cu13/lib",  # torch wheels built for CUDA 13
+    "../nvidia/cuda_runtime/lib",  # torch wheels built for CUDA 12
+]
+
 _NCCL_INCLUDE_CANDIDATES = [
     "../nvidia/nccl/include",
 ]
@@ -41,7 +46,18 @@ def _libtorch_repository_impl(ctx):
     ctx.symlink(_first_existing(ctx, torch_dir, _CUDA_INCLUDE_CANDIDATES, "/usr/local/cuda/include"), "cuda_include")
     ctx.symlink(_first_existing(ctx, torch_dir, _NCCL_INCLUDE_CANDIDATES, "/usr/local/cuda/include"), "nccl_include")
     lib_dir = str(ctx.path(torch_dir + "/lib").realpath)
-    ctx.template("BUILD.bazel", ctx.attr.build_template, {"%{LIB_DIR}": lib_dir})
+    # The CUDA runtime that LibTorch was built against (inline c10/cuda helpers call it directly).
+    cudart_dir = _first_existing(ctx, torch_dir, _CUDART_LIB_CANDIDATES, "/usr/local/cuda/lib64")
+    cudart = ""
+    for entry in ctx.path(cudart_dir).readdir():
+        if entry.basename.startswith("libcudart.so"):
+            cudart = entry.basename
+            break
+    cudart_linkopts = ["-L" + cudart_dir, "-Wl,-rpath," + cudart_dir, "-l:" + cudart] if cudart else []
+    ctx.template("BUILD.bazel", ctx.attr.build_template, {
+        "%{LIB_DIR}": lib_dir,
+        "%{CUDART_LINKOPTS}": repr(cudart_linkopts),
+    })
 
 libtorch_repository = repository_rule(
     implementation = _libtorch_repository_impl,

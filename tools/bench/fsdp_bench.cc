@@ -56,7 +56,7 @@ constexpr const char* kUsage = R"(usage:
   fsdp_bench --write-init FILE [--seed N] [--tiny-depth N] [--tiny-dim N] [--tiny-batch N]
              [--gpt-layers N] [--gpt-d-model N] [--gpt-heads N] [--gpt-context N] [--gpt-batch N]
              [--gpt-vocab N]
-  fsdp_bench --init FILE --out JSON [--models tiny,gpt] [--local 0|1] [--memory 0|1]
+  fsdp_bench --init FILE --out JSON [--models tiny,gpt] [--local 0|1] [--fsdp 0|1] [--memory 0|1]
              [--warmup N] [--steps N] [--gpt-warmup N] [--gpt-steps N] [--lr X] [--threads N]
 )";
 
@@ -66,6 +66,7 @@ struct Flags {
   std::string out;
   std::vector<std::string> models{"tiny", "gpt"};
   bool local = true;
+  bool fsdp = true;
   bool memory = true;
   int64_t warmup = 10;
   int64_t steps = 40;
@@ -107,6 +108,7 @@ Flags parse_flags(int argc, char** argv) {
     else if (a == "--out") f.out = need(i);
     else if (a == "--models") f.models = split(need(i), ',');
     else if (a == "--local") f.local = std::stoi(need(i)) != 0;
+    else if (a == "--fsdp") f.fsdp = std::stoi(need(i)) != 0;
     else if (a == "--memory") f.memory = std::stoi(need(i)) != 0;
     else if (a == "--warmup") f.warmup = std::stoll(need(i));
     else if (a == "--steps") f.steps = std::stoll(need(i));
@@ -294,7 +296,8 @@ void bench_timing(JsonWriter& w, const std::string& model, const Flags& f, const
                   fsdp::comm::Communicator& comm) {
   std::vector<std::unique_ptr<Trainee>> trainees;
   if (f.local) trainees.push_back(make_trainee(model, false, t, comm.rank(), f.lr));
-  trainees.push_back(make_trainee(model, true, t, comm.rank(), f.lr));
+  if (f.fsdp) trainees.push_back(make_trainee(model, true, t, comm.rank(), f.lr));
+  TORCH_CHECK(!trainees.empty(), "--local 0 --fsdp 0: nothing to run");
   const int64_t warmup = model == "gpt" ? f.gpt_warmup : f.warmup;
   const int64_t steps = model == "gpt" ? f.gpt_steps : f.steps;
   std::vector<fsdp::comm::CollectiveStats> stats(fsdp::comm::kNumCollectiveKinds);

@@ -188,13 +188,16 @@ def main():
             local = med(step_times(run, model, "local") or [])
             ov = (t - local) / units if variant != "local" and units else None
             first = losses(run, model, variant)[0]
+            ls, ref_ls = losses(run, model, variant), losses(cpp1, model, "fsdp") or []
+            common = min(len(ls), len(ref_ls))
             entry = {"step_ms": t * 1e3, "fb_ms": phase_median(run, model, variant, "fb_s") * 1e3,
                      "opt_ms": phase_median(run, model, variant, "opt_s") * 1e3,
                      "overhead_per_unit_step_us": ov * 1e6 if ov is not None else None,
                      "vs_local": t / local - 1 if variant != "local" else None,
                      "first_loss": first, "last_loss": losses(run, model, variant)[-1],
                      "first_loss_diff_vs_this_project": abs(first - ref_loss),
-                     "steps": len(ts)}
+                     "max_loss_diff_vs_this_project": max((abs(a - b) for a, b in zip(ls, ref_ls)), default=None),
+                     "common_steps": common, "steps": len(ts)}
             if variant == "fsdp1":
                 entry["sharding"] = run["ranks"][0]["timing"][model]["variants"][variant]["sharding"]
             w1[f"{side}:{variant}"] = entry
@@ -202,12 +205,14 @@ def main():
                          f"{entry['opt_ms']:.2f}",
                          "-" if entry["vs_local"] is None else f"{100 * entry['vs_local']:+.1f}%",
                          "-" if ov is None else f"{ov * 1e6:.1f}",
-                         f"{first:.8f}", f"{entry['first_loss_diff_vs_this_project']:.1e}"])
+                         f"{first:.8f}", f"{entry['first_loss_diff_vs_this_project']:.1e}",
+                         "-" if entry["max_loss_diff_vs_this_project"] is None
+                         else f"{entry['max_loss_diff_vs_this_project']:.1e} ({common})"])
         res["world1"] = w1
         say(f"== {res['title']}: world size 1, {units} units with parameters, "
             f"medians over {cm['steps'] if cm else '?'} (C++) steps after warm-up ==")
         say(table(["variant", "step ms", "fwd+bwd ms", "optim ms", "vs local", "overhead us/unit/step",
-                   "first loss", "|d first loss|"], rows))
+                   "first loss", "|d first loss|", "max |d loss| (steps)"], rows))
         if "py:fsdp1" in w1:
             say(f"  (FSDP1 at world size 1 runs {w1['py:fsdp1'].get('sharding')}: it switches "
                 f"FULL_SHARD to NO_SHARD on one rank)")
@@ -224,21 +229,23 @@ def main():
                 continue
             l0, l1 = losses(run, model, variant, 0), losses(run, model, variant, 1)
             entry = {"step_ms": med(ts) * 1e3, "first_loss_rank0": l0[0], "first_loss_rank1": l1[0],
-                     "last_loss_rank0": l0[-1], "steps": len(ts),
+                     "steps": len(ts),
                      "first_loss_diff_vs_this_project":
                          max(abs(l0[0] - ref2[0][0]), abs(l1[0] - ref2[1][0])) if ref2 else None,
-                     "last_loss_diff_vs_this_project": abs(l0[-1] - ref2[0][-1]) if ref2 else None}
+                     "max_loss_diff_vs_this_project": max(
+                         (abs(a - b) for r, lr in ((0, l0), (1, l1)) for a, b in zip(lr, ref2[r])),
+                         default=None) if ref2 else None,
+                     "common_steps": min(len(l0), len(ref2[0])) if ref2 else None}
             w2[f"{side}:{variant}"] = entry
             rows.append([label, f"{entry['step_ms']:.2f}", f"{l0[0]:.8f}", f"{l1[0]:.8f}",
                          "-" if entry["first_loss_diff_vs_this_project"] is None
                          else f"{entry['first_loss_diff_vs_this_project']:.1e}",
-                         f"{l0[-1]:.6f}",
-                         "-" if entry["last_loss_diff_vs_this_project"] is None
-                         else f"{entry['last_loss_diff_vs_this_project']:.1e}"])
+                         "-" if entry["max_loss_diff_vs_this_project"] is None
+                         else f"{entry['max_loss_diff_vs_this_project']:.1e} ({entry['common_steps']})"])
         res["world2"] = w2
         say(f"== {res['title']}: world size 2 (2 processes on this machine's cores) ==")
         say(table(["variant", "step ms", "first loss r0", "first loss r1", "|d first loss|",
-                   "last loss r0", "|d last loss|"], rows))
+                   "max |d loss| (steps)"], rows))
         say("")
 
         # --- memory per rank, counted by the allocator

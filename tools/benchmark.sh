@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Benchmarks fully_shard against plain local training and against PyTorch's own FSDP (FSDP2
+# fully_shard and FSDP1 FullyShardedDataParallel, CPU + Gloo, from the installed torch), side by
+# side in one run: step time and overhead per unit per step at world size 1, step time at world
+# size 2, per-rank memory counted by a CPU allocator, and bytes communicated per step, each against
+# its formula. Prints the tables, writes JSON and renders a PNG chart.
+#
+#   tools/benchmark.sh [--out PATH.json] [--quick]
+#
+#   --out PATH.json   where the merged results go (default tools/bench/out/results.json); the PNG
+#                     goes next to it (same name, .png), the programs' raw JSON into its folder
+#   --quick           fewer steps (a smoke run; medians are noisier)
+#
+# Needs the README's set-up (tools/setup.sh, run first if anything is missing); installs matplotlib
+# machine-wide if it is missing. Every process runs one intra-op thread (the machine has 2 cores).
+# The C++ program is built with -c opt and without Bazel's convenience symlinks (so bazel-bin keeps
+# pointing wherever the last ordinary build left it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+out=tools/bench/out/results.json
+quick=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) out="$2"; shift 2 ;;
+    --out=*) out="${1#--out=}"; shift ;;
+    --quick) quick=1; shift ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    *) echo "benchmark.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+outdir=$(dirname "$out")
+png="${out%.json}.png"
+mkdir -p "$outdir"
+
+log() { echo "[benchmark] $*" >&2; }
+
+# --- set-up: the README's, then what only the benchmark needs
+if ! command -v bazel >/dev/null || ! command -v mpirun >/dev/null ||
+   ! python3 -c 'import torch' 2>/dev/null; then
+  tools/setup.sh
+fi
+if ! python3 -c 'import matplotlib' 2>/dev/null; then
+  log "installing matplotlib (machine-wide)"
+  if ! python3 -m pip install --quiet matplotlib 2>/tmp/fsdp_bench_pip.err; then
+    if grep -q externally-managed /tmp/fsdp_bench_pip.err; then
+      python3 -m pip install --quiet --break-system-packages matplotlib
+    else
+      cat /tmp/fsdp_bench_pip.err >&2
+      exit 1
+    fi
+  fi
+fi
+
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# A short TMPDIR: Open MPI's session directory holds Unix sockets, whose paths are limited.
+work=$(mktemp -d /tmp/fsdpb.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+
+# --- build
+log "building //tools/bench:fsdp_bench (-c opt)"
+if ! bazel build -c opt --symlink_prefix=/ //tools/bench:fsdp_bench >"$work/build.log" 2>&1; then
+  cat "$work/build.log" >&2
+  echo "benchmark.sh: the build failed" >&2
+  exit 1
+fi
+bin="$(bazel info -c opt --symlink_prefix=/ bazel-bin 2>/dev/null)/tools/bench/fsdp_bench"
+[ -x "$bin" ] || { echo "benchmark.sh: $bin was not built" >&2; exit 1; }
+
+if [ "$quick" = 1 ]; then
+  cpp_steps=(--warmup 3 --steps 10 --gpt-warmup 1 --gpt-steps 5)
+  cpp2_steps=(--warmup 3 --steps 10 --gpt-warmup 1 --gpt-steps 4)
+  py1_steps=(--warmup 3 --steps 10 --gpt-warmup 1 --gpt-steps 5)
+  py2_steps=(--warmup 2 --steps 6 --gpt-warmup 1 --gpt-steps 4)
+else
+  cpp_steps=(--warmup 10 --steps 40 --gpt-warmup 3 --gpt-steps 30)
+  cpp2_steps=(--warmup 5 --steps 30 --gpt-warmup 2 --gpt-steps 12)
+  py1_steps=(--warmup 5 --steps 30 --gpt-warmup 2 --gpt-steps 15)
+  py2_steps=(--warmup 5 --steps 15 --gpt-warmup 2 --gpt-steps 10)
+fi
+init="$outdir/init.pt"
+rm -f "$outdir"/cpp_w1.json "$outdir"/cpp_w2.json "$outdir"/py_w1.json "$outdir"/py_w2.json \
+      "$outdir"/py_check.json
+
+start=$SECONDS
+log "load average before the runs: $(cut -d' ' -f1-3 /proc/loadavg) (2 cores, shared)"
+log "weights and data for both sides -> $init"
+"$bin" --write-init "$init" >&2
+
+log "PyTorch FSDP2 / FSDP1 on the CPU with Gloo: checking they run"
+python3 tools/bench/torch_bench.py --check --out "$outdir/py_check.json" >&2
+
+log "this project, world size 1 (plain run): local vs fully_shard"
+"$bin" --init "$init" --out "$outdir/cpp_w1.json" "${cpp_steps[@]}"
+
+log "this project, world size 2 (mpirun -np 2): fully_shard"
+TMPDIR="$work" mpirun --oversubscribe --bind-to none -np 2 -x OMP_NUM_THREADS -x MKL_NUM_THREADS \
+  "$bin" --init "$init" --out "$outdir/cpp_w2.json" --local 0 "${cpp2_steps[@]}"
+
+log "PyTorch, world size 1: local, FSDP2, FSDP1"
+python3 tools/bench/torch_bench.py --init "$init" --out "$outdir/py_w1.json" --world 1 \
+  --variants local,fsdp2,fsdp1 "${py1_steps[@]}"
+
+log "PyTorch, world size 2 (2 processes, Gloo): FSDP2, FSDP1"
+python3 tools/bench/torch_bench.py --init "$init" --out "$outdir/py_w2.json" --world 2 \
+  --variants fsdp2,fsdp1 "${py2_steps[@]}"
+
+log "runs took $((SECONDS - start)) s; load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+python3 tools/bench/report.py --dir "$outdir" --out "$out" --png "$png"
