@@ -11,6 +11,7 @@
 #include <torch/optim/adamw.h>
 
 #include "composable/fully_shard.h"
+#include "tests/composable/parity.h"
 #include "tests/composable/test_models.h"
 #include "tests/testing/multi_rank.h"
 
@@ -24,13 +25,6 @@ using fsdp::testing::world_size;
 at::Tensor data(int64_t it, int q, int64_t cols, int salt) {
   auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(9000 * salt + 30 * it + q));
   return at::randn({4, cols}, gen);
-}
-
-std::vector<fsdp::FSDPModule> shard_stack(fsdp::testing::MlpStack& model, const fsdp::FullyShardOptions& o) {
-  std::vector<fsdp::FSDPModule> units;
-  for (size_t i = 0; i < model->blocks->size(); ++i) units.push_back(fsdp::fully_shard(model->block(i), o));
-  units.push_back(fsdp::fully_shard(model, o));
-  return units;
 }
 
 // One reference step: every rank's batch with low-precision copies of the fp32 parameters; the
@@ -73,7 +67,7 @@ void run_mixed_precision_parity(at::ScalarType param_dtype, at::ScalarType reduc
   torch::manual_seed(11);
   auto reference = fsdp::testing::MlpStack(6, 8, 16, 2, 3);
   auto comm = std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU);
-  auto units = shard_stack(model, fsdp::FullyShardOptions().communicator(comm).mixed_precision(
+  auto units = fsdp::testing::shard_stack(model, fsdp::FullyShardOptions().communicator(comm).mixed_precision(
                                       fsdp::MixedPrecision().param_dtype(param_dtype).reduce_dtype(reduce)));
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
   torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-2));
@@ -171,7 +165,7 @@ FSDP_RANKS_TEST_CASE("mixed precision: gradients accumulate without sync in the 
   torch::manual_seed(13);
   auto model = fsdp::testing::MlpStack(6, 8, 16, 2, 3);
   auto comm = std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU);
-  auto units = shard_stack(model, fsdp::FullyShardOptions().communicator(comm).mixed_precision(
+  auto units = fsdp::testing::shard_stack(model, fsdp::FullyShardOptions().communicator(comm).mixed_precision(
                                       fsdp::MixedPrecision().param_dtype(at::kBFloat16)));
   units.back().set_requires_gradient_sync(false);
   model(at::randn({3, 6})).to(at::kFloat).pow(2).mean().backward();

@@ -155,18 +155,6 @@ FSDP_RANKS_TEST_CASE("parity with forward prefetch and backward prefetch after g
   fsdp::testing::ParityOptions o;
   o.optim = fsdp::testing::Optim::kAdamW;
   o.shard_options.forward_prefetch(true).backward_prefetch(BackwardPrefetch::kBackwardPost);
-  fsdp::testing::Scenario s{"MLP stack, forward prefetch, backward post", 6, 3, [] {
-                              auto model = fsdp::testing::MlpStack(6, 8, 16, 3, 3);
-                              fsdp::testing::Instance inst;
-                              inst.module = model.ptr();
-                              inst.forward = [model](torch::Tensor x, int) mutable { return model(x); };
-                              inst.shard = [model](const fsdp::FullyShardOptions& opts) {
-                                std::vector<fsdp::FSDPModule> units;
-                                for (size_t i = 0; i < model->blocks->size(); ++i) units.push_back(fsdp::fully_shard(model->block(i), opts));
-                                units.push_back(fsdp::fully_shard(model, opts));
-                                return units;
-                              };
-                              return inst;
-                            }};
+  const auto s = fsdp::testing::mlp_stack_scenario("MLP stack, forward prefetch, backward post");
   fsdp::testing::run_parity(s, o);
 }

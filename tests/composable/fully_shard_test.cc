@@ -14,6 +14,7 @@
 #include "composable/fully_shard.h"
 #include "contract/forward_hooks.h"
 #include "contract/module_state.h"
+#include "tests/composable/parity.h"
 #include "tests/composable/test_models.h"
 #include "tests/testing/multi_rank.h"
 
@@ -36,8 +37,7 @@ fsdp::FullyShardOptions options(std::shared_ptr<fsdp::comm::Communicator> comm =
 fsdp::testing::MlpStack sharded_stack(const fsdp::FullyShardOptions& o) {
   torch::manual_seed(7);
   auto model = fsdp::testing::MlpStack(4, 8, 8, 2, 2);
-  for (size_t i = 0; i < model->blocks->size(); ++i) fsdp::fully_shard(model->block(i), o);
-  fsdp::fully_shard(model, o);
+  fsdp::testing::shard_stack(model, o);
   return model;
 }
 

@@ -26,21 +26,7 @@ void run_parity(const Scenario& s, Optim optim, bool set_to_none, int micro_batc
   fsdp::testing::run_parity(s, with(optim, set_to_none, micro_batches));
 }
 
-Scenario mlp_stack() {
-  return {"MLP stack (a unit per block and the root)", 6, 3, [] {
-            auto model = fsdp::testing::MlpStack(6, 8, 16, 3, 3);
-            Instance inst;
-            inst.module = model.ptr();
-            inst.forward = [model](torch::Tensor x, int) mutable { return model(x); };
-            inst.shard = [model](const fsdp::FullyShardOptions& o) {
-              std::vector<fsdp::FSDPModule> units;
-              for (size_t i = 0; i < model->blocks->size(); ++i) units.push_back(fsdp::fully_shard(model->block(i), o));
-              units.push_back(fsdp::fully_shard(model, o));
-              return units;
-            };
-            return inst;
-          }};
-}
+Scenario mlp_stack() { return fsdp::testing::mlp_stack_scenario("MLP stack (a unit per block and the root)"); }
 
 Scenario nested() {
   return {"nested units at several depths", 8, 8, [] {

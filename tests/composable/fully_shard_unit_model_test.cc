@@ -34,22 +34,8 @@ std::shared_ptr<fsdp::comm::Communicator> fresh_comm() {
   return std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU);
 }
 
-// MLP stack with a unit per block and the root; `freeze` runs on each fresh model first.
 Scenario mlp_stack(std::string name, std::function<void(fsdp::testing::MlpStack&)> freeze = nullptr) {
-  return {std::move(name), 6, 3, [freeze] {
-            auto model = fsdp::testing::MlpStack(6, 8, 16, 3, 3);
-            if (freeze) freeze(model);
-            Instance inst;
-            inst.module = model.ptr();
-            inst.forward = [model](torch::Tensor x, int) mutable { return model(x); };
-            inst.shard = [model](const fsdp::FullyShardOptions& o) {
-              std::vector<fsdp::FSDPModule> units;
-              for (size_t i = 0; i < model->blocks->size(); ++i) units.push_back(fsdp::fully_shard(model->block(i), o));
-              units.push_back(fsdp::fully_shard(model, o));
-              return units;
-            };
-            return inst;
-          }};
+  return fsdp::testing::mlp_stack_scenario(std::move(name), std::move(freeze));
 }
 
 // Block 0 entirely frozen; every other block's fc1 frozen (mixed units); the input layer frozen.
@@ -90,8 +76,7 @@ FSDP_RANKS_TEST_CASE("SHARD_GRAD_OP: a parameter replaced between forward and ba
   torch::manual_seed(1);
   auto model = fsdp::testing::MlpStack(4, 8, 8, 2, 2);
   const auto o = fsdp::FullyShardOptions().communicator(fresh_comm()).strategy(ShardingStrategy::kShardGradOp);
-  for (size_t i = 0; i < model->blocks->size(); ++i) fsdp::fully_shard(model->block(i), o);
-  fsdp::fully_shard(model, o);
+  fsdp::testing::shard_stack(model, o);
   at::Tensor out = model(at::randn({2, 4}));
   model->block(1)->fc1->weight.set_data(at::zeros({8, 8}));
   CHECK_THROWS_WITH(out.sum().backward(), Contains("fc1.weight") && Contains("blocks.1") &&
@@ -110,9 +95,7 @@ FSDP_RANKS_TEST_CASE("frozen split: gradient bytes drop by exactly the frozen pa
     auto model = fsdp::testing::MlpStack(6, 8, 16, 3, 3);
     if (freeze) freeze_some(model);
     const auto o = fsdp::FullyShardOptions().communicator(fresh_comm());
-    std::vector<fsdp::FSDPModule> units;
-    for (size_t i = 0; i < model->blocks->size(); ++i) units.push_back(fsdp::fully_shard(model->block(i), o));
-    units.push_back(fsdp::fully_shard(model, o));
+    auto units = fsdp::testing::shard_stack(model, o);
     model(at::randn({4, 6})).pow(2).mean().backward();
     // The frozen share: per unit, what its trainable FlatParameter's shard would grow by if the
     // frozen parameters were in it (the layout of all parameters vs. of the trainable ones).
@@ -151,8 +134,7 @@ FSDP_RANKS_TEST_CASE("changing requires_grad after fully_shard is a clear error"
   torch::manual_seed(1);
   auto model = fsdp::testing::MlpStack(4, 8, 8, 2, 2);
   const auto o = fsdp::FullyShardOptions().communicator(fresh_comm());
-  for (size_t i = 0; i < model->blocks->size(); ++i) fsdp::fully_shard(model->block(i), o);
-  fsdp::fully_shard(model, o);
+  fsdp::testing::shard_stack(model, o);
   model(at::randn({2, 4})).sum().backward();
   model->block(0)->fc2->bias.requires_grad_(false);
   CHECK_THROWS_WITH(model(at::randn({2, 4})),
@@ -285,9 +267,7 @@ FSDP_RANKS_TEST_CASE("gradient accumulation without sync equals one large batch"
     auto reference = fsdp::testing::MlpStack(4, 8, 8, 2, 2);
     auto comm = fresh_comm();
     const auto o = fsdp::FullyShardOptions().communicator(comm);
-    std::vector<fsdp::FSDPModule> units;
-    for (size_t i = 0; i < model->blocks->size(); ++i) units.push_back(fsdp::fully_shard(model->block(i), o));
-    units.push_back(fsdp::fully_shard(model, o));
+    auto units = fsdp::testing::shard_stack(model, o);
     auto& root = units.back();
     auto data = [](int m, int q) {
       auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(77 + 10 * m + q));

@@ -170,4 +170,23 @@ void run_parity(const Scenario& scenario, const ParityOptions& options) {
   for (auto& u : units) u.reshard();
 }
 
+std::vector<fsdp::FSDPModule> shard_stack(const MlpStack& model, const fsdp::FullyShardOptions& options) {
+  std::vector<fsdp::FSDPModule> units;
+  for (size_t i = 0; i < model->blocks->size(); ++i) units.push_back(fsdp::fully_shard(model->block(i), options));
+  units.push_back(fsdp::fully_shard(model, options));
+  return units;
+}
+
+Scenario mlp_stack_scenario(std::string name, std::function<void(MlpStack&)> prepare) {
+  return {std::move(name), 6, 3, [prepare] {
+            auto model = MlpStack(6, 8, 16, 3, 3);
+            if (prepare) prepare(model);
+            Instance inst;
+            inst.module = model.ptr();
+            inst.forward = [model](torch::Tensor x, int) mutable { return model(x); };
+            inst.shard = [model](const fsdp::FullyShardOptions& o) { return shard_stack(model, o); };
+            return inst;
+          }};
+}
+
 }  // namespace fsdp::testing

@@ -17,6 +17,7 @@
 #include <torch/optim/optimizer.h>
 
 #include "composable/fully_shard.h"
+#include "tests/composable/test_models.h"
 
 namespace fsdp::testing {
 
@@ -67,5 +68,12 @@ struct ParityOptions {
 CollectiveCounts expected_counts(const std::vector<fsdp::FSDPModule>& units, int forward_calls_per_unit);
 
 void run_parity(const Scenario& scenario, const ParityOptions& options);
+
+/// fully_shard on every block of `model`, then on the root: the units, the root last.
+std::vector<fsdp::FSDPModule> shard_stack(const MlpStack& model, const fsdp::FullyShardOptions& options);
+
+/// MlpStack(6, 8, 16, 3, 3) with a unit per block and the root; `prepare` runs on each fresh model
+/// (e.g. to freeze parameters).
+Scenario mlp_stack_scenario(std::string name, std::function<void(MlpStack&)> prepare = nullptr);
 
 }  // namespace fsdp::testing
