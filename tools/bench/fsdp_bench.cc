@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <ctime>
 #include <exception>
 #include <fstream>
 #include <functional>
@@ -32,6 +33,8 @@
 #include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/functional/loss.h>
@@ -177,7 +180,7 @@ struct Trainee {
   std::function<at::Tensor(int64_t)> loss;
   std::vector<fsdp::FSDPModule> units;  // the root last; empty for local
   std::unique_ptr<torch::optim::AdamW> optim;
-  std::vector<double> fb_s, opt_s, step_s, losses;
+  std::vector<double> fb_s, opt_s, step_s, cpu_s, losses;
 };
 
 int64_t cfg(const TensorMap& t, const std::string& name, int64_t i) {
@@ -238,8 +241,16 @@ double seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-/// zero_grad + forward + backward + optimizer step on batch `i`, timed.
+/// CPU time of the whole process (every thread: the MPI backend's progress thread too), seconds.
+double process_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+/// zero_grad + forward + backward + optimizer step on batch `i`, timed (wall and process CPU).
 void train_step(Trainee& t, int64_t i) {
+  const double c0 = process_cpu_seconds();
   const auto t0 = Clock::now();
   t.optim->zero_grad();
   at::Tensor loss = t.loss(i);
@@ -250,6 +261,7 @@ void train_step(Trainee& t, int64_t i) {
   t.fb_s.push_back(seconds(t0, t1));
   t.opt_s.push_back(seconds(t1, t2));
   t.step_s.push_back(seconds(t0, t2));
+  t.cpu_s.push_back(process_cpu_seconds() - c0);
   t.losses.push_back(loss.item<double>());
 }
 
@@ -314,6 +326,36 @@ void bench_timing(JsonWriter& w, const std::string& model, const Flags& f, const
     stats[k] = comm.stats(static_cast<CollectiveKind>(k));
   }
   const Trainee& sharded = *trainees.back();
+  // The collectives of one step alone, issued one after the other with the buffers allocated as the
+  // handles do (an unsharded buffer per all-gather; a zeroed padded gradient buffer and an output
+  // shard per reduce-scatter, divided by the world size): what communication costs by itself.
+  std::vector<double> replay_s, replay_cpu_s;
+  if (!sharded.units.empty()) {
+    for (int64_t rep = 0; rep < std::max<int64_t>(steps, 5); ++rep) {
+      const double c0 = process_cpu_seconds();
+      const auto t0 = Clock::now();
+      for (size_t u = 0; u < sharded.units.size(); ++u) {
+        const bool root = u + 1 == sharded.units.size();
+        for (const auto& h : sharded.units[u].handles()) {
+          for (int call = 0; call < (root ? 1 : 2); ++call) {
+            at::Tensor out = at::empty({h->layout().padded_numel}, h->local_shard().options());
+            comm.all_gather_into_tensor(out, h->local_shard()).wait();
+          }
+        }
+      }
+      for (size_t u = sharded.units.size(); u-- > 0;) {
+        for (const auto& h : sharded.units[u].handles()) {
+          if (!h->requires_grad()) continue;
+          at::Tensor in = at::zeros({h->layout().padded_numel}, h->local_shard().options());
+          at::Tensor out = at::empty({h->layout().shard_numel()}, h->local_shard().options());
+          comm.reduce_scatter_tensor(out, in, c10d::ReduceOp::SUM).wait();
+          out.div_(comm.size());
+        }
+      }
+      replay_s.push_back(seconds(t0, Clock::now()));
+      replay_cpu_s.push_back(process_cpu_seconds() - c0);
+    }
+  }
   w.key(model).begin_object();
   w.member("warmup", warmup).member("steps", steps);
   w.member("units_with_params", static_cast<int64_t>(std::count_if(
@@ -326,9 +368,14 @@ void bench_timing(JsonWriter& w, const std::string& model, const Flags& f, const
     w.key("step_s").array(tr->step_s);
     w.key("fb_s").array(tr->fb_s);
     w.key("opt_s").array(tr->opt_s);
+    w.key("cpu_s").array(tr->cpu_s);
     w.key("losses").array(tr->losses);
     w.end_object();
   }
+  w.end_object();
+  w.key("collectives_alone").begin_object();
+  w.key("step_s").array(replay_s);
+  w.key("cpu_s").array(replay_cpu_s);
   w.end_object();
   w.key("handles");
   write_handles(w, sharded.units);

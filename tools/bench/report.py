@@ -11,6 +11,8 @@ what depends on it is reported as missing).
 Definitions (every time is a median over the steps after warm-up):
   step time          zero_grad + forward + backward + AdamW step; at world size 2 the slower rank's
                      time of each step.
+  CPU ms             process CPU time of the step (every thread: MPI's progress thread, Gloo's),
+                     less sensitive than wall time to other jobs on the machine.
   overhead/unit/step (t_sharded - t_local) / units, at world size 1, each side against its own
                      local training of the same model in the same process (steps interleaved).
   memory formula     per rank: sharded state / W (parameters, gradients, 2 AdamW moments: the
@@ -55,8 +57,8 @@ def measured(variant, warmup):
     return {k: variant[k][warmup:] for k in ("step_s", "fb_s", "opt_s")}
 
 
-def step_times(run, model, variant):
-    """Per measured step, the slowest rank's time (seconds), or None."""
+def step_times(run, model, variant, key="step_s"):
+    """Per measured step, the slowest rank's time (seconds; `key`: step_s or cpu_s), or None."""
     if run is None:
         return None
     per_rank = []
@@ -64,7 +66,9 @@ def step_times(run, model, variant):
         m = r["timing"].get(model)
         if not m or variant not in m["variants"]:
             return None
-        per_rank.append(m["variants"][variant]["step_s"][m["warmup"]:])
+        if key not in m["variants"][variant]:
+            return None
+        per_rank.append(m["variants"][variant][key][m["warmup"]:])
     return [max(ts) for ts in zip(*per_rank)]
 
 
@@ -188,12 +192,16 @@ def main():
             local = med(step_times(run, model, "local") or [])
             ov = (t - local) / units if variant != "local" and units else None
             first = losses(run, model, variant)[0]
+            cpu = med(step_times(run, model, variant, "cpu_s") or [])
+            cpu_local = med(step_times(run, model, "local", "cpu_s") or [])
             ls, ref_ls = losses(run, model, variant), losses(cpp1, model, "fsdp") or []
             common = min(len(ls), len(ref_ls))
             entry = {"step_ms": t * 1e3, "fb_ms": phase_median(run, model, variant, "fb_s") * 1e3,
                      "opt_ms": phase_median(run, model, variant, "opt_s") * 1e3,
                      "overhead_per_unit_step_us": ov * 1e6 if ov is not None else None,
                      "vs_local": t / local - 1 if variant != "local" else None,
+                     "cpu_ms": cpu * 1e3,
+                     "cpu_vs_local": cpu / cpu_local - 1 if variant != "local" else None,
                      "first_loss": first, "last_loss": losses(run, model, variant)[-1],
                      "first_loss_diff_vs_this_project": abs(first - ref_loss),
                      "max_loss_diff_vs_this_project": max((abs(a - b) for a, b in zip(ls, ref_ls)), default=None),
@@ -204,6 +212,8 @@ def main():
             rows.append([label, f"{entry['step_ms']:.2f}", f"{entry['fb_ms']:.2f}",
                          f"{entry['opt_ms']:.2f}",
                          "-" if entry["vs_local"] is None else f"{100 * entry['vs_local']:+.1f}%",
+                         f"{entry['cpu_ms']:.2f}",
+                         "-" if entry["cpu_vs_local"] is None else f"{100 * entry['cpu_vs_local']:+.1f}%",
                          "-" if ov is None else f"{ov * 1e6:.1f}",
                          f"{first:.8f}", f"{entry['first_loss_diff_vs_this_project']:.1e}",
                          "-" if entry["max_loss_diff_vs_this_project"] is None
@@ -211,8 +221,16 @@ def main():
         res["world1"] = w1
         say(f"== {res['title']}: world size 1, {units} units with parameters, "
             f"medians over {cm['steps'] if cm else '?'} (C++) steps after warm-up ==")
-        say(table(["variant", "step ms", "fwd+bwd ms", "optim ms", "vs local", "overhead us/unit/step",
+        say(table(["variant", "step ms", "fwd+bwd ms", "optim ms", "vs local", "CPU ms", "CPU vs local",
+                   "overhead us/unit/step",
                    "first loss", "|d first loss|", "max |d loss| (steps)"], rows))
+        alone = (cm or {}).get("collectives_alone")
+        if alone and alone["step_s"]:
+            res["collectives_alone_w1"] = {"step_ms": med(alone["step_s"]) * 1e3,
+                                           "cpu_ms": med(alone["cpu_s"]) * 1e3}
+            say(f"  this project's collectives of one step alone (replayed, same sizes and buffers): "
+                f"{res['collectives_alone_w1']['step_ms']:.2f} ms wall, "
+                f"{res['collectives_alone_w1']['cpu_ms']:.2f} ms CPU")
         if "py:fsdp1" in w1:
             say(f"  (FSDP1 at world size 1 runs {w1['py:fsdp1'].get('sharding')}: it switches "
                 f"FULL_SHARD to NO_SHARD on one rank)")
@@ -228,7 +246,9 @@ def main():
             if ts is None:
                 continue
             l0, l1 = losses(run, model, variant, 0), losses(run, model, variant, 1)
-            entry = {"step_ms": med(ts) * 1e3, "first_loss_rank0": l0[0], "first_loss_rank1": l1[0],
+            cpu2 = step_times(run, model, variant, "cpu_s")
+            entry = {"step_ms": med(ts) * 1e3, "cpu_ms_slowest_rank": med(cpu2) * 1e3 if cpu2 else None,
+                     "first_loss_rank0": l0[0], "first_loss_rank1": l1[0],
                      "steps": len(ts),
                      "first_loss_diff_vs_this_project":
                          max(abs(l0[0] - ref2[0][0]), abs(l1[0] - ref2[1][0])) if ref2 else None,
@@ -237,15 +257,25 @@ def main():
                          default=None) if ref2 else None,
                      "common_steps": min(len(l0), len(ref2[0])) if ref2 else None}
             w2[f"{side}:{variant}"] = entry
-            rows.append([label, f"{entry['step_ms']:.2f}", f"{l0[0]:.8f}", f"{l1[0]:.8f}",
+            rows.append([label, f"{entry['step_ms']:.2f}",
+                         "-" if entry["cpu_ms_slowest_rank"] is None else f"{entry['cpu_ms_slowest_rank']:.2f}",
+                         f"{l0[0]:.8f}", f"{l1[0]:.8f}",
                          "-" if entry["first_loss_diff_vs_this_project"] is None
                          else f"{entry['first_loss_diff_vs_this_project']:.1e}",
                          "-" if entry["max_loss_diff_vs_this_project"] is None
                          else f"{entry['max_loss_diff_vs_this_project']:.1e} ({entry['common_steps']})"])
         res["world2"] = w2
+        alone2 = cpp2["ranks"][0]["timing"].get(model, {}).get("collectives_alone") if cpp2 else None
+        if alone2 and alone2["step_s"]:
+            res["collectives_alone_w2"] = {"step_ms": med(alone2["step_s"]) * 1e3,
+                                           "cpu_ms": med(alone2["cpu_s"]) * 1e3}
         say(f"== {res['title']}: world size 2 (2 processes on this machine's cores) ==")
-        say(table(["variant", "step ms", "first loss r0", "first loss r1", "|d first loss|",
+        say(table(["variant", "step ms", "CPU ms/rank", "first loss r0", "first loss r1", "|d first loss|",
                    "max |d loss| (steps)"], rows))
+        if "collectives_alone_w2" in res:
+            say(f"  this project's collectives of one step alone (replayed): "
+                f"{res['collectives_alone_w2']['step_ms']:.2f} ms wall, "
+                f"{res['collectives_alone_w2']['cpu_ms']:.2f} ms CPU (rank 0)")
         say("")
 
         # --- memory per rank, counted by the allocator
@@ -338,7 +368,8 @@ def main():
         v = gpt["cpp:fsdp"]["vs_local"]
         target("step time within 5% of local training (compute-bound GPT, W=1)",
                v <= STEP_TIME_TARGET,
-               f"{100 * v:+.1f}% ({gpt['cpp:fsdp']['step_ms']:.1f} ms vs {gpt['cpp:local']['step_ms']:.1f} ms)")
+               f"{100 * v:+.1f}% ({gpt['cpp:fsdp']['step_ms']:.1f} ms vs {gpt['cpp:local']['step_ms']:.1f} ms; "
+               f"process CPU time {100 * gpt['cpp:fsdp']['cpu_vs_local']:+.1f}%)")
     for model, res in results["models"].items():
         for w, per_rank in res.get("memory", {}).items():
             worst = max(per_rank, key=lambda pr: max(abs(c["ratio"] - 1) for c in pr["components"].values()))

@@ -169,9 +169,10 @@ class Trainee:
         self.variant = variant
         self.module = wrap(net, block_cls, variant, world)
         self.optim = torch.optim.AdamW(self.module.parameters(), lr=lr, weight_decay=0.01)
-        self.fb_s, self.opt_s, self.step_s, self.losses = [], [], [], []
+        self.fb_s, self.opt_s, self.step_s, self.cpu_s, self.losses = [], [], [], [], []
 
     def step(self, rank, i):
+        c0 = time.process_time()  # every thread of the process
         t0 = time.perf_counter()
         self.optim.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.module, rank, i)
@@ -182,6 +183,7 @@ class Trainee:
         self.fb_s.append(t1 - t0)
         self.opt_s.append(t2 - t1)
         self.step_s.append(t2 - t0)
+        self.cpu_s.append(time.process_time() - c0)
         self.losses.append(loss.item())
 
 
@@ -214,7 +216,7 @@ def bench_models(rank, world, args, tensors):
                 t.step(rank, i)
         out[model] = {
             "warmup": warmup, "steps": steps,
-            "variants": {t.variant: {"step_s": t.step_s, "fb_s": t.fb_s, "opt_s": t.opt_s,
+            "variants": {t.variant: {"step_s": t.step_s, "fb_s": t.fb_s, "opt_s": t.opt_s, "cpu_s": t.cpu_s,
                                      "losses": t.losses, "sharding": sharded_note(t)}
                          for t in trainees},
             "errors": errors,
