@@ -156,6 +156,28 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::enqueue(c10d::OpType type, const char
                                                    std::vector<at::Tensor> keep_alive) {
   const uint64_t sequence = ++sequence_;
   auto work = c10::make_intrusive<MpiWork>(rank_, type, std::move(outputs));
+  if (size_ == 1) {
+    // One rank: the collective completes locally, so run it inline instead of handing it to the
+    // progress thread (no thread hand-off on the single-rank fast path). Still through MPI, so a
+    // one-rank job behaves like any other.
+    std::exception_ptr error;
+    try {
+      int rc = MPI_SUCCESS;
+      {
+        std::lock_guard<std::mutex> guard(mpi::mpi_lock());
+        MPI_Request request = MPI_REQUEST_NULL;
+        rc = start(&request);
+        if (rc == MPI_SUCCESS) rc = MPI_Wait(&request, MPI_STATUS_IGNORE);
+      }
+      TORCH_CHECK(rc == MPI_SUCCESS, "MPI backend ", collective, " #", sequence, " (", sizes,
+                  ") on MPI group '", options_.name, "' failed: ", mpi::error_string(rc));
+      if (after) after();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    work->complete(error);
+    return work;
+  }
   mpi::PendingCollective op;
   op.description = fmt::format("{} #{} ({}) on MPI group '{}' (rank {} of {})", collective, sequence,
                                sizes, options_.name, rank_, size_);

@@ -290,20 +290,35 @@ void FlatParamHandle::reduce_gradients(bool sync) {
   if (!requires_grad_) return;
   finalize_gradients();  // one reduction in flight per handle
   const auto reduce_options = local_shard_.options().dtype(reduce_dtype_).device(compute_device_);
-  at::Tensor flat = accumulated_grad_.defined() ? accumulated_grad_ : at::zeros({layout_.padded_numel}, reduce_options);
+  // The padded flat gradient: each parameter's gradient copied to its place (added when
+  // accumulating), zeros only where nothing is copied (alignment, tail, parameters without one).
+  const bool fresh = !accumulated_grad_.defined();
+  at::Tensor flat = fresh ? at::empty({layout_.padded_numel}, reduce_options) : accumulated_grad_;
   accumulated_grad_ = at::Tensor();
   {
     c10::NoGradGuard no_grad;
+    int64_t cursor = 0;
     for (size_t i = 0; i < params_.size(); ++i) {
       at::Tensor& g = params_[i].param.mutable_grad();
-      if (!g.defined()) continue;
       const auto& e = layout_.entries[i];
+      if (fresh && e.offset > cursor) flat.narrow(0, cursor, e.offset - cursor).zero_();
+      cursor = e.offset + e.numel;
+      at::Tensor region = flat.narrow(0, e.offset, e.numel);
+      if (!g.defined()) {
+        if (fresh) region.zero_();
+        continue;
+      }
       TORCH_CHECK(g.numel() == e.numel, "fully_shard: the gradient of '", params_[i].fqn,
                   "' in unit '", unit_fqn_, "' has ", g.numel(),
                   " elements after backward; expected the full parameter's ", e.numel);
-      flat.narrow(0, e.offset, e.numel).add_(g.reshape({-1}));
+      if (fresh) {
+        region.copy_(g.reshape({-1}));
+      } else {
+        region.add_(g.reshape({-1}));
+      }
       g = at::Tensor();  // the unsharded gradient is not kept on the parameter
     }
+    if (fresh && cursor < layout_.padded_numel) flat.narrow(0, cursor, layout_.padded_numel - cursor).zero_();
   }
   grads_prepared_ = false;
   if (!sync) {
@@ -333,7 +348,7 @@ void FlatParamHandle::finalize_gradients() {
   // Gradients are in the parameters' dtype after sync, whatever dtype they were reduced in.
   at::Tensor grad = reduce_output_.to(local_shard_.scalar_type());
   reduce_output_ = at::Tensor();
-  grad.div_(post_divide_);
+  if (post_divide_ != 1.0) grad.div_(post_divide_);
   if (options_.replicate && options_.replicate->size() > 1) {
     // Hybrid sharding: average the shard-group gradients across the replicate group.
     options_.replicate->all_reduce(grad, c10d::ReduceOp::SUM, unit_fqn_).wait();
