@@ -1,0 +1,51 @@
+#include "composable/clip_grad_norm.h"
+
+#include <cmath>
+
+#include <ATen/ops/tensor.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+
+#include "contract/module_state.h"
+
+namespace fsdp {
+
+double clip_grad_norm_(const FSDPModule& root, double max_norm, double norm_type) {
+  TORCH_CHECK(norm_type > 0, "fsdp::clip_grad_norm_: norm_type must be positive, got ", norm_type);
+  const bool inf = std::isinf(norm_type);
+  // Each unit once (siblings share a state), each gradient shard once.
+  std::vector<FSDPState*> units;
+  auto& registry = contract::ModuleStateRegistry::global();
+  for (const auto& item : root.module().named_modules("", /*include_self=*/true)) {
+    auto unit = registry.get_as<FSDPState>(*item.value(), kFullyShardApi);
+    if (unit && std::find(units.begin(), units.end(), unit.get()) == units.end()) units.push_back(unit.get());
+  }
+  // Sharded gradients are reduced across the shard group (every group holds all shards);
+  // replicated ones (NO_SHARD) are complete on every rank and enter once, locally.
+  double sharded = 0.0, replicated = 0.0;
+  std::vector<at::Tensor> grads;
+  for (FSDPState* unit : units) {
+    for (const auto& handle : unit->handles()) {
+      const at::Tensor& g = handle->sharded_grad();
+      if (!handle->requires_grad() || !g.defined()) continue;
+      grads.push_back(g);
+      const double part = inf ? g.abs().max().item<double>() : g.abs().pow(norm_type).sum().item<double>();
+      double& into = handle->is_sharded_strategy() ? sharded : replicated;
+      into = inf ? std::max(into, part) : into + part;
+    }
+  }
+  const auto& comm = root.state().config().comm;
+  at::Tensor total = at::tensor({sharded}, at::kDouble).to(comm->device());
+  comm->all_reduce(total, inf ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM, "clip_grad_norm_").wait();
+  double norm = total.cpu().item<double>();
+  norm = inf ? std::max(norm, replicated) : std::pow(norm + replicated, 1.0 / norm_type);
+  const double coefficient = max_norm / (norm + 1e-6);
+  if (coefficient < 1.0) {
+    c10::NoGradGuard no_grad;
+    for (auto& g : grads) g.mul_(coefficient);  // the parameters' .grad are views of these
+  }
+  return norm;
+}
+
+}  // namespace fsdp
