@@ -224,6 +224,14 @@ void FlatParamHandle::reshard() {
   unsharded_ = false;
 }
 
+at::Tensor FlatParamHandle::gather_full_precision() const {
+  if (!options_.shard) return local_shard_;
+  at::Tensor source = local_shard_.to(compute_device_);
+  at::Tensor full = at::empty({layout_.padded_numel}, source.options());
+  comm_->all_gather_into_tensor(full, source, unit_fqn_ + " (full state)").wait();
+  return full.to(local_shard_.device());
+}
+
 size_t FlatParamHandle::unsharded_bytes() const { return storage_nbytes(padded_unsharded_); }
 
 size_t FlatParamHandle::sharded_grad_bytes() const {

@@ -103,6 +103,11 @@ class FlatParamHandle {
   /// gradient (plus the set-aside one). No-op when none is in flight.
   void finalize_gradients();
   bool gradient_reduction_in_flight() const { return pending_reduce_.valid(); }
+  /// The whole FlatParameter in the parameters' own dtype (full precision even with mixed
+  /// precision), padded, on the shard's device: an all-gather of the shards (collective), or the
+  /// shard itself without sharding. Parameter i is at layout().entries[i].offset. For state dicts.
+  at::Tensor gather_full_precision() const;
+
   /// Whether the parameters require gradients (a handle holds only trainable or only frozen ones).
   bool requires_grad() const { return requires_grad_; }
 
