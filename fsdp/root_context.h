@@ -33,9 +33,6 @@ class RootContext {
   bool backward_started = false;   // the first pre-backward of this iteration ran
   bool checked_sharded_use = false;  // the first iteration's autograd graph check ran
   int64_t iterations = 0;
-
-  /// Position of `state` in forward_order, or -1.
-  int forward_index(const FSDPState* state) const;
 };
 
 }  // namespace fsdp
