@@ -91,8 +91,9 @@ at::Tensor reduce_parts(const std::vector<at::Tensor>& parts, const c10d::Reduce
     case c10d::ReduceOp::MAX: return std::get<0>(stacked.max(0));
     case c10d::ReduceOp::MIN: return std::get<0>(stacked.min(0));
     case c10d::ReduceOp::PRODUCT: return stacked.prod(0, false, stacked.scalar_type());
-    default: TORCH_CHECK(false, "thread backend: unsupported reduce op");
+    default: break;
   }
+  TORCH_CHECK(false, "thread backend: unsupported reduce op");
 }
 
 }  // namespace
