@@ -93,7 +93,8 @@ at::Tensor reduce_parts(const std::vector<at::Tensor>& parts, const c10d::Reduce
     case c10d::ReduceOp::PRODUCT: return stacked.prod(0, false, stacked.scalar_type());
     default: break;
   }
-  TORCH_CHECK(false, "thread backend: unsupported reduce op");
+  TORCH_CHECK(false, "thread backend: unsupported reduce op ", static_cast<int>(op.op_));
+  return {};  // not reached
 }
 
 }  // namespace
