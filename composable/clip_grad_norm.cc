@@ -7,7 +7,7 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
-#include "contract/module_state.h"
+#include "fsdp/unit_tree.h"
 
 namespace fsdp {
 
@@ -16,11 +16,7 @@ double clip_grad_norm_(const FSDPModule& root, double max_norm, double norm_type
   const bool inf = std::isinf(norm_type);
   // Each unit once (siblings share a state), each gradient shard once.
   std::vector<FSDPState*> units;
-  auto& registry = contract::ModuleStateRegistry::global();
-  for (const auto& item : root.module().named_modules("", /*include_self=*/true)) {
-    auto unit = registry.get_as<FSDPState>(*item.value(), kFullyShardApi);
-    if (unit && std::find(units.begin(), units.end(), unit.get()) == units.end()) units.push_back(unit.get());
-  }
+  for (const auto& unit : distinct_units_in_tree(root.module())) units.push_back(unit.get());
   // Sharded gradients are reduced across the shard group (every group holds all shards);
   // replicated ones (NO_SHARD) are complete on every rank and enter once, locally.
   double sharded = 0.0, replicated = 0.0;

@@ -11,23 +11,11 @@
 #include "contract/forward_hooks.h"
 #include "contract/module_fqn.h"
 #include "fsdp/runtime.h"
+#include "fsdp/tied_parameters.h"
+#include "fsdp/unit_tree.h"
 
 namespace fsdp {
 namespace {
-
-// Parameters of the trees of `modules` that units below them already manage (applied bottom-up).
-std::unordered_set<const void*> params_of_units_below(const std::vector<torch::nn::Module*>& modules) {
-  auto& registry = contract::ModuleStateRegistry::global();
-  std::unordered_set<const void*> owned;
-  for (torch::nn::Module* module : modules) {
-    for (const auto& item : module->named_modules("", /*include_self=*/false)) {
-      auto state = registry.get_as<FSDPState>(*item.value(), kFullyShardApi);
-      if (!state) continue;
-      for (const auto& p : state->params()) owned.insert(p.param.unsafeGetTensorImpl());
-    }
-  }
-  return owned;
-}
 
 void check_no_unit_above(torch::nn::Module& module) {
   auto& registry = contract::ModuleStateRegistry::global();
@@ -88,9 +76,12 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
   std::string fqn;
   for (auto* m : modules) fqn += (fqn.empty() ? "" : " + ") + registry.describe(*m);
 
-  // Rule 1: every parameter of the trees not already in a unit below, in named_parameters order
-  // (module by module), once per tensor (a tied parameter's first FQN owns it).
-  const auto owned = params_of_units_below(modules);
+  // Rule 1: every parameter of the trees not already in another unit, in named_parameters order
+  // (module by module), once per tensor (a tied parameter's first FQN owns it). A tied parameter
+  // another unit manages moves here when this is the innermost unit containing every module using
+  // it ([Note: tied parameters] in fsdp/tied_parameters.h); deciding changes nothing.
+  const TiedParameterPlan tied = plan_tied_parameters(modules, fqn);
+  const auto& owned = tied.stay;
   std::unordered_set<const void*> seen;
   std::vector<FlatParamHandle::OrigParam> params;
   std::vector<at::Tensor> buffers;
@@ -130,6 +121,10 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
               "at least 1, got ", options.max_unshards_in_flight());
   config.max_unshards_in_flight = options.max_unshards_in_flight();
   config.reshard_after_forward = options.strategy() == ShardingStrategy::kFullShard;
+
+  // Tied parameters moving into this unit get their full-precision values back, and the units
+  // they leave are rebuilt (collective). After every check: errors above change nothing.
+  take_tied_parameters(tied);
 
   if (options.sync_module_states()) {
     std::vector<at::Tensor> tensors;
@@ -197,11 +192,9 @@ void FSDPModule::set_reshard_after_backward(bool reshard, bool recurse) {
 void FSDPModule::for_each_unit(bool recurse, const std::function<void(FSDPState&)>& fn) const {
   fn(*state_);
   if (!recurse) return;
-  auto& registry = contract::ModuleStateRegistry::global();
   for (torch::nn::Module* module : state_->modules()) {
-    for (const auto& item : module->named_modules("", /*include_self=*/false)) {
-      auto unit = registry.get_as<FSDPState>(*item.value(), kFullyShardApi);
-      if (unit && unit != state_) fn(*unit);
+    for (const auto& unit : distinct_units_in_tree(*module, /*include_root=*/false)) {
+      if (unit != state_) fn(*unit);
     }
   }
 }

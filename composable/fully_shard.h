@@ -81,8 +81,10 @@ struct FullyShardOptions {
   /// When backward all-gathers the next unit: before (default) or after the current unit's
   /// gradient computation, or not at all.
   TORCH_ARG(BackwardPrefetch, backward_prefetch) = BackwardPrefetch::kBackwardPre;
-  /// The most all-gathers in flight at once (set on the root; default 2): issuing one more first
-  /// waits for the oldest, bounding the unsharded memory.
+  /// The most units unsharded at once (set on the root; default 2), counting the unit running and
+  /// the ones prefetched for it, but not the root, the units running around it, nor units kept
+  /// unsharded by SHARD_GRAD_OP: a prefetch that would exceed it is skipped, bounding the
+  /// unsharded memory (1 turns prefetching off).
   TORCH_ARG(int, max_unshards_in_flight) = 2;
   /// CPU offload (FSDP's CPUOffload(offload_params=True)): shards and sharded gradients live in
   /// host memory, pinned when computing on CUDA; the optimizer steps on the host.

@@ -6,7 +6,7 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
-#include "contract/module_state.h"
+#include "fsdp/unit_tree.h"
 
 namespace fsdp {
 namespace {
@@ -14,11 +14,7 @@ namespace {
 // Every unit of `root`'s tree, once.
 std::vector<FSDPState*> units_of(const FSDPModule& root) {
   std::vector<FSDPState*> units;
-  auto& registry = contract::ModuleStateRegistry::global();
-  for (const auto& item : root.module().named_modules("", /*include_self=*/true)) {
-    auto unit = registry.get_as<FSDPState>(*item.value(), kFullyShardApi);
-    if (unit && std::find(units.begin(), units.end(), unit.get()) == units.end()) units.push_back(unit.get());
-  }
+  for (const auto& unit : distinct_units_in_tree(root.module())) units.push_back(unit.get());
   return units;
 }
 

@@ -108,7 +108,8 @@ class ForwardHookTable {
     const ForwardHookLists& lists = *it->second.lists;
     auto has_id = [id](const auto& entry) { return entry.id == id; };
     return std::any_of(lists.pre.begin(), lists.pre.end(), has_id) ||
-           std::any_of(lists.post.begin(), lists.post.end(), has_id);
+           std::any_of(lists.post.begin(), lists.post.end(), has_id) ||
+           std::any_of(lists.exception.begin(), lists.exception.end(), has_id);
   }
 
   uint64_t checkpoint() {
@@ -129,6 +130,10 @@ class ForwardHookTable {
   static std::vector<ForwardHookLists::HookEntry>& select(ForwardHookLists& lists,
                                                           const ForwardHook*) {
     return lists.post;
+  }
+  static std::vector<ForwardHookLists::ExceptionHookEntry>& select(ForwardHookLists& lists,
+                                                                   const ForwardExceptionHook*) {
+    return lists.exception;
   }
 
   template <typename Predicate>
@@ -152,8 +157,9 @@ class ForwardHookTable {
     };
     drop(lists->pre);
     drop(lists->post);
+    drop(lists->exception);
     graveyard.push_back(std::move(slot.lists));
-    if (lists->pre.empty() && lists->post.empty()) {
+    if (lists->pre.empty() && lists->post.empty() && lists->exception.empty()) {
       slots_.erase(it);
     } else {
       slot.lists = std::move(lists);
@@ -199,6 +205,13 @@ void run_forward_post_hooks(const ForwardHookLists& hooks, torch::nn::Module& mo
                             const ForwardArgs& args, c10::IValue& output) {
   for (const auto& entry : hooks.post) {
     (*entry.hook)(module, args, output);
+  }
+}
+
+void run_forward_exception_hooks(const ForwardHookLists& hooks, torch::nn::Module& module,
+                                 c10::Error& error) {
+  for (const auto& entry : hooks.exception) {
+    (*entry.hook)(module, error);
   }
 }
 
@@ -250,6 +263,12 @@ RemovableHandle register_forward_hook(torch::nn::Module& module, ForwardHook hoo
                                                   "forward_hook");
 }
 
+RemovableHandle register_forward_exception_hook(torch::nn::Module& module,
+                                                ForwardExceptionHook hook, bool prepend) {
+  return detail::ForwardHookTable::instance().add(module, std::move(hook), prepend,
+                                                  "forward_exception_hook");
+}
+
 size_t num_forward_pre_hooks(const torch::nn::Module& module) {
   auto hooks = detail::forward_hooks_of(module);
   return hooks ? hooks->pre.size() : 0;
@@ -258,6 +277,11 @@ size_t num_forward_pre_hooks(const torch::nn::Module& module) {
 size_t num_forward_hooks(const torch::nn::Module& module) {
   auto hooks = detail::forward_hooks_of(module);
   return hooks ? hooks->post.size() : 0;
+}
+
+size_t num_forward_exception_hooks(const torch::nn::Module& module) {
+  auto hooks = detail::forward_hooks_of(module);
+  return hooks ? hooks->exception.size() : 0;
 }
 
 size_t prune_forward_hooks() { return detail::ForwardHookTable::instance().prune(); }
@@ -278,7 +302,7 @@ c10::IValue run_forward_ivalues(torch::nn::Module& module, ForwardArgs args,
     return forward(args);
   }
   detail::run_forward_pre_hooks(*hooks, module, args);
-  c10::IValue output = forward(args);
+  c10::IValue output = detail::call_forward(*hooks, module, [&] { return forward(args); });
   detail::run_forward_post_hooks(*hooks, module, args, output);
   return output;
 }

@@ -66,6 +66,33 @@ using ForwardPreHook = std::function<void(torch::nn::Module& module, ForwardArgs
 using ForwardHook = std::function<void(torch::nn::Module& module, const ForwardArgs& args,
                                        c10::IValue& output)>;
 
+/// A forward-exception hook: runs when `forward` throws a c10::Error after the call's pre-forward
+/// hooks ran. It may add context to `error` (the same object is rethrown afterwards) or throw
+/// another exception instead (which then propagates; later exception hooks do not run). A module
+/// may be inside several calls with exception hooks (its parents'): each sees the error in turn,
+/// innermost first, with the context the inner ones added.
+///
+///   ForwardExceptionHook explain = [](torch::nn::Module& m, c10::Error& error) {
+///     error.add_context("fully_shard: ... while running " + m.name());
+///   };
+using ForwardExceptionHook = std::function<void(torch::nn::Module& module, c10::Error& error)>;
+
+/// Base class of the module holders whose call operator runs forward hooks (HookableModuleHolder,
+/// that is every holder declared with FSDP_HOOKABLE_MODULE or FSDP_HOOKABLE_MODULE_IMPL, the
+/// holders of contract/hookable_modules.h, fsdp::contract::Sequential). LibTorch's holders
+/// (TORCH_MODULE, torch::nn::Linear, torch::nn::Sequential, ...) call forward directly and do not
+/// derive from it. A holder of one's own that runs the hooks (through run_forward) may derive
+/// from it to be recognised as hook-able.
+struct HookableHolderIndicator {};
+
+/// True for holder types whose call operator runs forward hooks (see HookableHolderIndicator).
+/// APIs that rely on hooks refuse other holders at compile time.
+///
+///   static_assert(fsdp::contract::HookableHolder<fsdp::contract::Linear>);
+///   static_assert(!fsdp::contract::HookableHolder<torch::nn::Linear>);
+template <typename Holder>
+concept HookableHolder = std::is_base_of_v<HookableHolderIndicator, std::remove_cvref_t<Holder>>;
+
 namespace detail {
 class ForwardHookTable;
 }  // namespace detail
@@ -115,11 +142,24 @@ RemovableHandle register_forward_pre_hook(torch::nn::Module& module, ForwardPreH
 RemovableHandle register_forward_hook(torch::nn::Module& module, ForwardHook hook,
                                       bool prepend = false);
 
+/// Registers a forward-exception hook on `module` (after the existing ones, or first with
+/// `prepend`). Throws c10::Error if `hook` is empty or `module` is not owned by a std::shared_ptr.
+///
+///   auto handle = fsdp::contract::register_forward_exception_hook(
+///       *model, [](torch::nn::Module& m, c10::Error& error) {
+///         error.add_context("while running the model");
+///       });
+RemovableHandle register_forward_exception_hook(torch::nn::Module& module,
+                                                ForwardExceptionHook hook, bool prepend = false);
+
 /// The number of pre-forward hooks registered on `module`.
 size_t num_forward_pre_hooks(const torch::nn::Module& module);
 
 /// The number of post-forward hooks registered on `module`.
 size_t num_forward_hooks(const torch::nn::Module& module);
+
+/// The number of forward-exception hooks registered on `module`.
+size_t num_forward_exception_hooks(const torch::nn::Module& module);
 
 /// Releases the hooks of destroyed modules now (what they capture is destroyed), rather than at
 /// the next registration. Returns the number of modules whose hooks were released.
@@ -145,6 +185,7 @@ void remove_forward_hooks_after(ForwardHookCheckpoint checkpoint,
 ///
 ///   c10::IValue out = run_forward_ivalues(*block, {c10::IValue(x)},
 ///       [&](const ForwardArgs& a) { return c10::IValue(block->forward(a[0].toTensor())); });
+/// A c10::Error thrown by `forward` goes through the module's forward-exception hooks.
 c10::IValue run_forward_ivalues(torch::nn::Module& module, ForwardArgs args,
                                 c10::function_ref<c10::IValue(const ForwardArgs&)> forward);
 
@@ -204,8 +245,13 @@ struct ForwardHookLists {
     uint64_t id;
     std::shared_ptr<const ForwardHook> hook;
   };
+  struct ExceptionHookEntry {
+    uint64_t id;
+    std::shared_ptr<const ForwardExceptionHook> hook;
+  };
   std::vector<PreHookEntry> pre;
   std::vector<HookEntry> post;
+  std::vector<ExceptionHookEntry> exception;
 };
 
 // The hooks of `module`, or nullptr when it has none.
@@ -216,6 +262,23 @@ void run_forward_pre_hooks(const ForwardHookLists& hooks, torch::nn::Module& mod
                            ForwardArgs& args);
 void run_forward_post_hooks(const ForwardHookLists& hooks, torch::nn::Module& module,
                             const ForwardArgs& args, c10::IValue& output);
+void run_forward_exception_hooks(const ForwardHookLists& hooks, torch::nn::Module& module,
+                                 c10::Error& error);
+
+// Calls `forward()`; a c10::Error it throws goes through the exception hooks and is rethrown.
+template <typename F>
+auto call_forward(const ForwardHookLists& hooks, torch::nn::Module& module, F&& forward)
+    -> decltype(forward()) {
+  if (hooks.exception.empty()) {
+    return forward();
+  }
+  try {
+    return forward();
+  } catch (c10::Error& error) {
+    run_forward_exception_hooks(hooks, module, error);
+    throw;
+  }
+}
 
 // Throws the error for a forward value of the wrong type: `what` is "argument" (replaced by a
 // pre-forward hook; `index` is its position), "output" (replaced by a post-forward hook) or
@@ -302,13 +365,17 @@ auto run_forward(M& module, Args&&... args)
   detail::run_forward_pre_hooks(*hooks, base, values);
   auto invoke = [&]() -> Output {
     if (!may_have_replaced_args) {
-      return module.forward(std::forward<Args>(args)...);
+      return detail::call_forward(*hooks, base, [&]() -> Output {
+        return module.forward(std::forward<Args>(args)...);
+      });
     }
     auto stored = [&]<std::size_t... I>(std::index_sequence<I...>) {
       return detail::stored_args_from<
           stored_forward_value_t<std::tuple_element_t<I, Params>>...>(base, values);
     }(std::index_sequence_for<Args...>{});
-    return std::apply([&module](auto&... a) -> Output { return module.forward(a...); }, stored);
+    return detail::call_forward(*hooks, base, [&]() -> Output {
+      return std::apply([&module](auto&... a) -> Output { return module.forward(a...); }, stored);
+    });
   };
 
   if constexpr (std::is_void_v<Output>) {

@@ -13,12 +13,14 @@ namespace fsdp::contract {
 /// A `torch::nn::ModuleHolder` whose call operator runs the module's forward hooks around
 /// `forward` ([Note: forward hooks] in contract/forward_hooks.h). Everything else (construction,
 /// `->`, `*`, `ptr()`, `register_module`) is the ModuleHolder's. Declare holders with
-/// FSDP_HOOKABLE_MODULE rather than naming this class.
+/// FSDP_HOOKABLE_MODULE rather than naming this class. Every such holder satisfies HookableHolder
+/// (APIs that rely on hooks refuse LibTorch's holders at compile time).
 ///
 ///   torch::Tensor y = block(x);          // pre-forward hooks, BlockImpl::forward, post-forward hooks
 ///   torch::Tensor z = block->forward(x); // bypasses the hooks: unsupported on managed modules
 template <typename Contained>
-class HookableModuleHolder : public torch::nn::ModuleHolder<Contained> {
+class HookableModuleHolder : public torch::nn::ModuleHolder<Contained>,
+                             public HookableHolderIndicator {
  public:
   using torch::nn::ModuleHolder<Contained>::ModuleHolder;
 

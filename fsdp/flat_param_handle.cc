@@ -64,8 +64,11 @@ FlatParamHandle::FlatParamHandle(std::vector<OrigParam> params,
                 p.param.requires_grad(), "), '", params_[0].fqn, "' is ", dtype, " on ", device,
                 " (requires_grad ", requires_grad_, ")");
   }
-  const int world = options_.shard ? comm_->size() : 1;
-  const int rank = options_.shard ? comm_->rank() : 0;
+  // One rank has nothing to communicate or free: it runs as NO_SHARD (the shard is the whole
+  // FlatParameter, parameters are always full-shape views of it, no collective is issued).
+  shard_ = options_.shard && comm_->size() > 1;
+  const int world = shard_ ? comm_->size() : 1;
+  const int rank = shard_ ? comm_->rank() : 0;
   compute_dtype_ = options_.param_dtype.value_or(dtype);
   reduce_dtype_ = options_.reduce_dtype.value_or(compute_dtype_);
   mixed_precision_ = compute_dtype_ != dtype;
@@ -118,7 +121,7 @@ FlatParamHandle::FlatParamHandle(std::vector<OrigParam> params,
 }
 
 std::vector<int64_t> FlatParamHandle::sharded_shape(size_t i) const {
-  if (!options_.shard) return layout_.entries[i].shape;
+  if (!shard_) return layout_.entries[i].shape;
   return {slices_[i].size()};
 }
 
@@ -160,6 +163,13 @@ void FlatParamHandle::write_back_replaced_data() {
     const at::Tensor& p = params_[i].param;
     const auto shape = sharded_shape(i);
     if (is_view_at(p, local_shard_, s.shard_offset, shape)) continue;
+    TORCH_CHECK(p.scalar_type() == local_shard_.scalar_type() && p.device() == local_shard_.device(),
+                "fully_shard: parameter '", params_[i].fqn, "' of unit '", unit_fqn_,
+                "' was replaced while sharded by a tensor of dtype ", p.scalar_type(), " on ",
+                p.device(), "; expected ", local_shard_.scalar_type(), " on ", local_shard_.device(),
+                ". A sharded module's dtype and device are fixed by fully_shard (module->to(...) "
+                "after fully_shard is unsupported): use FullyShardOptions::mixed_precision for "
+                "low-precision compute, and FullyShardOptions::device to place the shards");
     TORCH_CHECK(p.sizes() == at::IntArrayRef(shape), "fully_shard: parameter '", params_[i].fqn,
                 "' of unit '", unit_fqn_, "' was replaced while sharded by a tensor of shape ",
                 p.sizes(), "; expected this rank's shard of it, of shape ", describe(shape),
@@ -172,7 +182,7 @@ void FlatParamHandle::write_back_replaced_data() {
 }
 
 void FlatParamHandle::start_unshard() {
-  if (unsharded_ || pending_unshard_.valid() || !options_.shard) return;
+  if (unsharded_ || pending_unshard_.valid() || !shard_) return;
   write_back_replaced_data();
   resize_storage(padded_unsharded_, layout_.padded_numel * padded_unsharded_.element_size());
   streams_->on_unshard_stream([&] {
@@ -194,7 +204,7 @@ void FlatParamHandle::unshard() {
     return;
   }
   if (unsharded_) return;
-  if (options_.shard) {
+  if (shard_) {
     start_unshard();
     pending_unshard_.wait();
     pending_unshard_ = {};
@@ -210,7 +220,7 @@ void FlatParamHandle::unshard() {
 }
 
 bool FlatParamHandle::needs_unsharded_buffer() const {
-  return options_.shard || mixed_precision_ || options_.offload_to_cpu;
+  return shard_ || mixed_precision_ || options_.offload_to_cpu;
 }
 
 void FlatParamHandle::reshard() {
@@ -225,7 +235,7 @@ void FlatParamHandle::reshard() {
 }
 
 at::Tensor FlatParamHandle::gather_full_precision() const {
-  if (!options_.shard) return local_shard_;
+  if (!shard_) return local_shard_;
   at::Tensor source = local_shard_.to(compute_device_);
   at::Tensor full = at::empty({layout_.padded_numel}, source.options());
   comm_->all_gather_into_tensor(full, source, unit_fqn_ + " (full state)").wait();
@@ -275,10 +285,23 @@ void FlatParamHandle::prepare_gradients_for_backward() {
       held.narrow(0, s.shard_offset, s.size()).copy_(g.reshape({-1}));
     }
   }
-  // A gradient kept by an earlier backward without sync is still set aside: add.
-  if (held.defined()) saved_grad_ = saved_grad_.defined() ? saved_grad_ + held : held;
+  saved_grad_ = held;
   for (auto& p : params_) p.param.mutable_grad() = at::Tensor();
   sharded_grad_ = at::Tensor();
+}
+
+void FlatParamHandle::prepare_gradient_buffer() {
+  if (!requires_grad_ || !grads_prepared_ || grad_buffer_.defined()) return;
+  // Autograd adds in place into a gradient that is already defined (outside grad mode), so each
+  // parameter's gradient lands directly in its place of the flat buffer: no full-shape gradient
+  // per parameter is kept, and none is copied. Only when gradients are reduced in the dtype
+  // they are computed in; otherwise they are converted while being copied in.
+  if (reduce_dtype_ != compute_dtype_) return;
+  grad_buffer_ = at::zeros({layout_.padded_numel}, local_shard_.options().dtype(compute_dtype_).device(compute_device_));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& e = layout_.entries[i];
+    params_[i].param.mutable_grad() = storage_slice(grad_buffer_, e.offset, e.shape);
+  }
 }
 
 namespace {
@@ -294,63 +317,89 @@ std::pair<double, double> divide_factors(int world, c10::ScalarType reduce_dtype
 
 }  // namespace
 
-void FlatParamHandle::reduce_gradients(bool sync) {
-  if (!requires_grad_) return;
-  finalize_gradients();  // one reduction in flight per handle
-  const auto reduce_options = local_shard_.options().dtype(reduce_dtype_).device(compute_device_);
-  // The padded flat gradient: each parameter's gradient copied to its place (added when
-  // accumulating), zeros only where nothing is copied (alignment, tail, parameters without one).
-  const bool fresh = !accumulated_grad_.defined();
-  at::Tensor flat = fresh ? at::empty({layout_.padded_numel}, reduce_options) : accumulated_grad_;
-  accumulated_grad_ = at::Tensor();
-  {
-    c10::NoGradGuard no_grad;
-    int64_t cursor = 0;
+at::Tensor FlatParamHandle::take_unsharded_gradients() {
+  c10::NoGradGuard no_grad;
+  at::Tensor flat;
+  if (grad_buffer_.defined()) {
+    flat = std::move(grad_buffer_);
+    grad_buffer_ = at::Tensor();
     for (size_t i = 0; i < params_.size(); ++i) {
       at::Tensor& g = params_[i].param.mutable_grad();
       const auto& e = layout_.entries[i];
-      if (fresh && e.offset > cursor) flat.narrow(0, cursor, e.offset - cursor).zero_();
-      cursor = e.offset + e.numel;
-      at::Tensor region = flat.narrow(0, e.offset, e.numel);
-      if (!g.defined()) {
-        if (fresh) region.zero_();
-        continue;
+      if (g.defined() && !is_view_at(g, flat, e.offset, e.shape)) {  // replaced by the user
+        TORCH_CHECK(g.numel() == e.numel, "fully_shard: the gradient of '", params_[i].fqn,
+                    "' in unit '", unit_fqn_, "' has ", g.numel(),
+                    " elements after backward; expected the full parameter's ", e.numel);
+        flat.narrow(0, e.offset, e.numel).copy_(g.reshape({-1}));
       }
-      TORCH_CHECK(g.numel() == e.numel, "fully_shard: the gradient of '", params_[i].fqn,
-                  "' in unit '", unit_fqn_, "' has ", g.numel(),
-                  " elements after backward; expected the full parameter's ", e.numel);
-      if (fresh) {
-        region.copy_(g.reshape({-1}));
-      } else {
-        region.add_(g.reshape({-1}));
-      }
-      g = at::Tensor();  // the unsharded gradient is not kept on the parameter
+      g = at::Tensor();
     }
-    if (fresh && cursor < layout_.padded_numel) flat.narrow(0, cursor, layout_.padded_numel - cursor).zero_();
+    return flat.scalar_type() == reduce_dtype_ ? flat : flat.to(reduce_dtype_);
   }
-  grads_prepared_ = false;
+  // The padded flat gradient: each parameter's gradient copied to its place, zeros only where
+  // nothing is copied (alignment, tail, parameters without one).
+  flat = at::empty({layout_.padded_numel}, local_shard_.options().dtype(reduce_dtype_).device(compute_device_));
+  int64_t cursor = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& g = params_[i].param.mutable_grad();
+    const auto& e = layout_.entries[i];
+    if (e.offset > cursor) flat.narrow(0, cursor, e.offset - cursor).zero_();
+    cursor = e.offset + e.numel;
+    at::Tensor region = flat.narrow(0, e.offset, e.numel);
+    if (!g.defined()) {
+      region.zero_();
+      continue;
+    }
+    TORCH_CHECK(g.numel() == e.numel, "fully_shard: the gradient of '", params_[i].fqn,
+                "' in unit '", unit_fqn_, "' has ", g.numel(),
+                " elements after backward; expected the full parameter's ", e.numel);
+    region.copy_(g.reshape({-1}));
+    g = at::Tensor();  // the unsharded gradient is not kept on the parameter
+  }
+  if (cursor < layout_.padded_numel) flat.narrow(0, cursor, layout_.padded_numel - cursor).zero_();
+  return flat;
+}
+
+void FlatParamHandle::reduce_gradients(bool sync) {
+  if (!requires_grad_) return;
+  finalize_gradients();  // one reduction in flight per handle
+  at::Tensor flat = take_unsharded_gradients();
   if (!sync) {
-    accumulated_grad_ = flat;
+    // Accumulated across backward passes in the reduce dtype; reduced by the next synchronised one.
+    accumulated_in_pass_ = true;
+    if (accumulated_grad_.defined()) {
+      accumulated_grad_.add_(flat);
+    } else {
+      accumulated_grad_ = flat;
+    }
     return;
   }
-  const auto [pre, post] = divide_factors(comm_->size(), reduce_dtype_);
+  if (accumulated_grad_.defined()) {
+    flat.add_(accumulated_grad_);
+    accumulated_grad_ = at::Tensor();
+  }
+  const int world = comm_->size();
+  const auto [pre, post] = divide_factors(world, reduce_dtype_);
   if (pre != 1.0) flat.div_(pre);
   post_divide_ = post;
   // Held until finalize_gradients(), after the compute stream waited for the reduction.
   reduce_input_ = flat;
-  reduce_output_ = options_.shard ? at::empty({layout_.shard_numel()}, reduce_options) : reduce_input_;
+  reduce_output_ = shard_ ? at::empty({layout_.shard_numel()}, flat.options()) : reduce_input_;
+  if (world == 1) return;  // nothing to communicate: the flat gradient is the sharded one
   streams_->on_reduce_stream([&] {
-    pending_reduce_ = options_.shard
+    pending_reduce_ = shard_
                           ? comm_->reduce_scatter_tensor(reduce_output_, reduce_input_, c10d::ReduceOp::SUM, unit_fqn_)
                           : comm_->all_reduce(reduce_output_, c10d::ReduceOp::SUM, unit_fqn_);
   });
 }
 
 void FlatParamHandle::finalize_gradients() {
-  if (!pending_reduce_.valid()) return;
-  pending_reduce_.wait();
-  pending_reduce_ = {};
-  streams_->compute_waits_for_reduce();
+  if (!reduce_output_.defined()) return;
+  if (pending_reduce_.valid()) {
+    pending_reduce_.wait();
+    pending_reduce_ = {};
+    streams_->compute_waits_for_reduce();
+  }
   reduce_input_ = at::Tensor();
   c10::NoGradGuard no_grad;
   // Gradients are in the parameters' dtype after sync, whatever dtype they were reduced in.
@@ -363,10 +412,55 @@ void FlatParamHandle::finalize_gradients() {
     grad.div_(options_.replicate->size());
   }
   grad = grad.to(local_shard_.device());  // host memory with offload
+  // The gradient set aside before backward is kept until the backward pass is committed, so that
+  // a failed pass can restore it.
   if (saved_grad_.defined()) grad.add_(saved_grad_);
   sharded_grad_ = grad;
-  saved_grad_ = at::Tensor();
   set_sharded_grad_views();
+}
+
+void FlatParamHandle::commit_gradients() {
+  if (!sharded_grad_.defined() && saved_grad_.defined()) {
+    // No synchronised reduction this pass (accumulating without sync): the set-aside gradient
+    // is this handle's gradient again.
+    sharded_grad_ = saved_grad_;
+    set_sharded_grad_views();
+  }
+  saved_grad_ = at::Tensor();
+  grads_prepared_ = false;
+  accumulated_in_pass_ = false;
+}
+
+void FlatParamHandle::discard_gradients() {
+  if (pending_reduce_.valid()) {  // never free buffers a collective still uses
+    pending_reduce_.wait();
+    pending_reduce_ = {};
+    streams_->compute_waits_for_reduce();
+  }
+  reduce_input_ = at::Tensor();
+  reduce_output_ = at::Tensor();
+  grad_buffer_ = at::Tensor();
+  // The failed pass may have added into the gradients accumulated without sync: drop them all
+  // rather than keep part of a backward pass.
+  if (accumulated_in_pass_) accumulated_grad_ = at::Tensor();
+  accumulated_in_pass_ = false;
+  if (!grads_prepared_) return;
+  // Back to the gradients held before the failed backward pass.
+  sharded_grad_ = saved_grad_;
+  saved_grad_ = at::Tensor();
+  grads_prepared_ = false;
+  if (sharded_grad_.defined()) {
+    set_sharded_grad_views();
+  } else {
+    for (auto& p : params_) p.param.mutable_grad() = at::Tensor();
+  }
+}
+
+size_t FlatParamHandle::gradient_buffer_bytes() const {
+  size_t bytes = grad_buffer_.defined() ? grad_buffer_.nbytes() : 0;
+  if (reduce_input_.defined()) bytes += reduce_input_.nbytes();
+  if (reduce_output_.defined() && !reduce_output_.is_same(reduce_input_)) bytes += reduce_output_.nbytes();
+  return bytes;
 }
 
 void FlatParamHandle::set_sharded_grad_views() {

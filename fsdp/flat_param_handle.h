@@ -16,13 +16,18 @@
 // Without sharding (NO_SHARD) the "shard" is the whole FlatParameter, parameters are always
 // full-shape views of it, and gradients are all-reduced instead of reduce-scattered.
 //
-// Gradients: autograd writes full-shape gradients into the unsharded parameters' `.grad`. After a
-// unit's backward, `reduce_gradients()` copies them into a padded flat buffer (zeros where a
-// parameter got none), reduce-scatters it (SUM, then divided by the world size), adds the sharded
-// gradient set aside before backward (accumulation without set_to_none, or several backward
-// passes), and points each `.grad` at its slice of the new sharded gradient. Without gradient
-// sync, the unsharded gradients are instead accumulated in a padded flat buffer that the next
-// synchronised reduction adds in (no collective until then).
+// Gradients: at the handle's pre-backward each unsharded parameter's `.grad` is pointed at its
+// place in one zeroed flat buffer, and autograd accumulates into it in place (no full-shape
+// gradient per parameter, no copy; with a reduce dtype other than the compute dtype, autograd's
+// gradients are copied in instead). After the unit's backward, `reduce_gradients()` reduce-scatters
+// that buffer (SUM, then divided by the world size), and `finalize_gradients()` frees it, adds the
+// sharded gradient set aside before backward (accumulation without set_to_none, or several
+// backward passes), and points each `.grad` at its slice of the new sharded gradient. The runtime
+// finalizes each unit's reduction when it issues the next one, so at most two units' unsharded
+// gradients are alive at once. Without gradient sync, the flat gradients are accumulated in a
+// padded buffer that the next synchronised reduction adds in (no collective until then).
+// On one rank nothing is communicated: the handle runs as NO_SHARD and the flat gradient is the
+// sharded gradient.
 
 #include <memory>
 #include <optional>
@@ -85,24 +90,36 @@ class FlatParamHandle {
   void reshard();
   bool is_unsharded() const { return unsharded_; }
   bool unshard_in_flight() const { return pending_unshard_.valid(); }
-  bool is_sharded_strategy() const { return options_.shard; }
+  /// Whether the parameters are sharded across ranks (false for NO_SHARD, and on one rank, where
+  /// the shard is the whole FlatParameter and nothing is communicated).
+  bool is_sharded_strategy() const { return shard_; }
   /// The dtype the parameters are all-gathered and computed in, and the one gradients are reduced in.
   c10::ScalarType compute_dtype() const { return compute_dtype_; }
   c10::ScalarType reduce_dtype() const { return reduce_dtype_; }
 
-  /// Before backward: sets aside the sharded gradients the original parameters still hold (from an
-  /// earlier backward without set_to_none, or replaced by the user: written back), and clears
-  /// `.grad` so autograd can write full-shape gradients. Idempotent within one backward.
+  /// Start of a backward pass: sets aside the sharded gradients the original parameters still
+  /// hold (from an earlier backward without set_to_none, or replaced by the user: written back),
+  /// and clears `.grad` so autograd can write full-shape gradients. Idempotent within one pass.
   void prepare_gradients_for_backward();
+  /// At the handle's pre-backward, once unsharded: points each parameter's `.grad` at its place
+  /// in a zeroed flat gradient buffer, so autograd accumulates into it in place (when gradients
+  /// are reduced in the compute dtype). No-op when already done this pass.
+  void prepare_gradient_buffer();
   /// After this handle's backward. With `sync`: issues the reduce-scatter (all-reduce without
-  /// sharding) of the unsharded gradients; `finalize_gradients()` waits for it and sets `.grad`.
-  /// Without: accumulates them locally (in the reduce dtype: low precision with mixed precision),
-  /// no collective, `.grad` left unset.
+  /// sharding; nothing on one rank) of the unsharded gradients; `finalize_gradients()` waits for
+  /// it and sets `.grad`. Without: accumulates them locally (in the reduce dtype: low precision
+  /// with mixed precision), no collective.
   void reduce_gradients(bool sync = true);
-  /// Waits for the collective issued by reduce_gradients() and points `.grad` at the new sharded
-  /// gradient (plus the set-aside one). No-op when none is in flight.
+  /// Waits for the reduction issued by reduce_gradients(), frees its input and points `.grad` at
+  /// the new sharded gradient (plus the set-aside one). No-op when none is pending.
   void finalize_gradients();
-  bool gradient_reduction_in_flight() const { return pending_reduce_.valid(); }
+  /// End of a successful backward pass: forgets the set-aside gradient (restoring it as `.grad`
+  /// when no synchronised reduction ran).
+  void commit_gradients();
+  /// A backward pass failed: waits for a reduction in flight, frees every gradient buffer of the
+  /// pass and restores the gradients held before it (gradients accumulated without sync that this
+  /// pass added to are dropped).
+  void discard_gradients();
   /// The whole FlatParameter in the parameters' own dtype (full precision even with mixed
   /// precision), padded, on the shard's device: an all-gather of the shards (collective), or the
   /// shard itself without sharding. Parameter i is at layout().entries[i].offset. For state dicts.
@@ -124,6 +141,9 @@ class FlatParamHandle {
   size_t unsharded_bytes() const;
   size_t sharded_grad_bytes() const;
   size_t accumulated_grad_bytes() const;
+  /// Bytes of the unsharded gradient buffers of a backward pass now alive: the flat buffer autograd
+  /// accumulates into, and the input and output of a reduction not yet finalized.
+  size_t gradient_buffer_bytes() const;
 
  private:
   bool needs_unsharded_buffer() const;
@@ -132,6 +152,9 @@ class FlatParamHandle {
   void write_back_replaced_data();
   void check_params_unchanged() const;
   void set_sharded_grad_views();
+  // Takes this pass's unsharded gradients out of the parameters as one padded flat tensor in the
+  // reduce dtype (the preset buffer, or a copy), leaving `.grad` unset.
+  at::Tensor take_unsharded_gradients();
   // The shape of parameter i while sharded: 1-D slice, or the full shape without sharding.
   std::vector<int64_t> sharded_shape(size_t i) const;
 
@@ -149,6 +172,7 @@ class FlatParamHandle {
   at::Tensor padded_unsharded_;       // 1-D [padded_numel]; storage freed while resharded
   at::Tensor sharded_grad_;           // 1-D [shard_numel] or undefined
   at::Tensor saved_grad_;             // set aside before backward, added after the reduction
+  at::Tensor grad_buffer_;            // 1-D [padded_numel]: autograd accumulates into it, or undefined
   at::Tensor accumulated_grad_;       // 1-D [padded_numel]: unsynchronised gradients, or undefined
   at::Tensor reduce_output_;          // reduction in flight: output
   at::Tensor reduce_input_;           // reduction in flight: padded unsharded gradient
@@ -161,6 +185,8 @@ class FlatParamHandle {
   bool unsharded_ = false;
   bool grads_prepared_ = false;
   bool requires_grad_ = false;
+  bool shard_ = true;                 // sharded across more than one rank
+  bool accumulated_in_pass_ = false;  // this backward pass added to accumulated_grad_
 };
 
 }  // namespace fsdp

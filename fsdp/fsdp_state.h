@@ -1,8 +1,9 @@
 #pragma once
-// FSDPState: the state of one `fully_shard` call (the seed note's _FSDPState). It owns the unit's
-// FlatParamHandles (more than one per unit is allowed: one per dtype, later one for frozen
-// parameters), its training state, and, once lazily initialised, a pointer to the root's shared
-// context. The runtime (fsdp/runtime.h) drives it from the forward hooks and from autograd.
+// FSDPState: the state of one `fully_shard` call (one unit). It owns the unit's FlatParamHandles
+// (one per dtype and requires_grad, so frozen parameters never hold gradient memory), its
+// training state, this iteration's calls, and, once lazily initialised, a pointer to the root's
+// shared context. The runtime (fsdp/runtime.h, fsdp/backward.h) drives it from the forward hooks
+// and from autograd.
 
 #include <memory>
 #include <optional>
@@ -13,6 +14,7 @@
 #include "comm/communicator.h"
 #include "contract/module_state.h"
 #include "fsdp/flat_param_handle.h"
+#include "fsdp/unit_iteration.h"
 
 namespace torch::nn {
 class Module;
@@ -98,7 +100,6 @@ class FSDPState final : public contract::ApiState {
 
   /// Set by lazy initialisation (every state in the root's tree shares the root's context).
   RootContext* root_context() const { return root_context_.get(); }
-  const std::shared_ptr<RootContext>& shared_root_context() const { return root_context_; }
   void set_root_context(std::shared_ptr<RootContext> context) { root_context_ = std::move(context); }
   bool is_root() const;
 
@@ -123,15 +124,8 @@ class FSDPState final : public contract::ApiState {
   /// accumulating without sync; a backward with sync always reshards).
   bool reshard_after_backward = true;
 
-  // Per-iteration bookkeeping used by the runtime.
-  int pending_post_backward = 0;   // RegisterPostBackward nodes not yet run this iteration
-  // Forward calls this iteration whose inputs needed no gradient: their backward cannot be seen
-  // ending, so the unit's post-backward waits for the end of backward.
-  int forward_calls_without_post_backward = 0;
-  bool pre_backward_done = false;  // this iteration's pre-backward ran
-  bool reduced = false;            // this iteration's gradients were reduce-scattered
-  bool ran_forward = false;        // pre-forward ran this iteration
-  size_t post_forwards = 0;        // post-forwards since the unit was last unsharded for forward
+  /// This iteration's calls and backward progress (see [Note: forward calls]).
+  UnitIteration iteration;
 
  private:
   std::vector<torch::nn::Module*> modules_;

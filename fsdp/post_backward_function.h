@@ -6,17 +6,18 @@
 // point. A unit whose inputs need no gradient (e.g. token ids) is finished by the end-of-backward
 // callback instead.
 
+#include <cstdint>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 
 namespace fsdp {
 
-using PostBackwardCallback = void (*)(void* arg);
+using PostBackwardCallback = void (*)(void* arg, int64_t tag);
 
-/// Returns `inputs` routed through the function; `callback(arg)` runs in its backward. `arg` must
-/// outlive the autograd graph (it is the unit's FSDPState, which lives as long as the module).
+/// Returns `inputs` routed through the function; `callback(arg, tag)` runs in its backward. `arg`
+/// must outlive the autograd graph (it is the unit's FSDPState, which lives as long as the module).
 std::vector<at::Tensor> register_post_backward(std::vector<at::Tensor> inputs,
-                                               PostBackwardCallback callback, void* arg);
+                                               PostBackwardCallback callback, void* arg, int64_t tag);
 
 }  // namespace fsdp

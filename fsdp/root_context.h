@@ -1,9 +1,11 @@
 #pragma once
-// What the root unit shares with every unit of its tree once lazily initialised: the list of units,
-// this iteration's forward order (which orders backward prefetch and gradient reduction), and the
-// per-iteration flags of the runtime.
+// RootContext: what the root unit shares with every unit of its tree once lazily initialised: the
+// list of units, the iteration's phase and forward order (which orders backward prefetch and
+// gradient reduction), and the scheduling of all-gathers (unshard, prefetch, reshard).
 
+#include <cstdint>
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -12,27 +14,76 @@ namespace fsdp {
 
 class FSDPState;
 
+/// [Note: iteration phases] kIdle: no forward since the last backward pass ended (or none yet).
+/// kForward: one or more forwards ran and no backward pass has started since. kBackward: a
+/// backward pass is running; its end-of-backward callback returns to kIdle. The units' calls of
+/// the iteration are kept in kIdle, so a second backward through a retained graph can run; the
+/// next root forward from kIdle starts a new iteration.
+enum class IterationPhase { kIdle, kForward, kBackward };
+
 class RootContext {
  public:
   FSDPState* root = nullptr;
   /// Every unit in the root's tree (the root first), in module order.
   std::vector<FSDPState*> states;
   std::shared_ptr<comm::Communicator> comm;
+  /// For each unit, the units whose modules contain one of its modules (they run around it).
+  std::unordered_map<const FSDPState*, std::vector<const FSDPState*>> ancestors;
 
   /// Units in the order their pre-forward first ran this iteration, and in the last one.
   std::vector<FSDPState*> forward_order;
   std::vector<FSDPState*> previous_forward_order;
-  /// Units whose all-gathers are in flight, oldest first; never more than max_in_flight.
+  /// The most units unsharded (or being all-gathered) at once, beside the root, the units
+  /// running around the current one and units kept unsharded by their strategy: an implicit
+  /// prefetch is skipped rather than exceed it. Also the most all-gathers in flight at once:
+  /// issuing one more first waits for the oldest.
+  int max_unsharded = 2;
+  /// Units whose all-gathers are in flight, oldest first.
   std::vector<FSDPState*> unshards_in_flight;
-  int max_in_flight = 2;
-  /// Gradients are reduce-scattered in reverse forward order on every rank (the collectives then
-  /// match across ranks); units before this index (from the back) are done.
-  size_t reduced_from_back = 0;
 
-  bool iteration_active = false;   // a forward ran and its backward (if any) has not finished
-  bool backward_started = false;   // the first pre-backward of this iteration ran
+  IterationPhase phase = IterationPhase::kIdle;
+  /// Bumped by every new iteration; autograd hooks carry it, so a hook from an older iteration's
+  /// graph is recognised.
+  int64_t generation = 0;
+  /// Between the root's pre-forward and post-forward (still set at the next root pre-forward:
+  /// the previous forward threw).
+  bool in_root_forward = false;
+  /// Gradients are reduce-scattered in reverse forward order on every rank (the collectives then
+  /// match across ranks); units before this index (from the back) are done this backward pass.
+  size_t reduced_from_back = 0;
+  /// The unit whose reduction was issued last and is not finalized yet (its gradient buffers are
+  /// freed when the next unit's reduction is issued).
+  FSDPState* awaiting_finalize = nullptr;
   bool checked_sharded_use = false;  // the first iteration's autograd graph check ran
+  /// Backward passes completed (0: the first iteration, whose forward order is checked).
   int64_t iterations = 0;
+
+  /// All-gathers `unit` now (waits for one in flight).
+  void unshard(FSDPState& unit);
+  /// Issues `unit`'s all-gather without waiting (within the in-flight limit).
+  void start_unshard(FSDPState& unit);
+  /// Issues `unit`'s all-gather without waiting, while `running` runs; an implicit prefetch
+  /// (`bounded`) is skipped when it would exceed max_unsharded.
+  void prefetch(FSDPState& unit, const FSDPState& running, bool bounded);
+  /// Frees `unit`'s unsharded parameters (waits for an all-gather in flight first).
+  void reshard(FSDPState& unit);
+  /// Units counted against max_unsharded while `running` runs.
+  int unsharded_count(const FSDPState& running) const;
+  /// The most units counted at once since the last reset (for tests and benchmarks).
+  int peak_unsharded() const { return peak_unsharded_; }
+  void reset_peak_unsharded() { peak_unsharded_ = 0; }
+
+ private:
+  bool counted(const FSDPState& unit, const FSDPState& running) const;
+  void forget_in_flight(FSDPState& unit);
+  void note_unsharded(const FSDPState& running);
+  int peak_unsharded_ = 0;
 };
+
+/// The units `unit` prefetches: `explicit_targets` if set, else the one next to it in `order`
+/// (+1: forward, the unit that ran after it; -1: backward, the one that ran before it).
+std::vector<FSDPState*> prefetch_targets(const FSDPState& unit,
+                                         const std::vector<FSDPState*>* explicit_targets,
+                                         const std::vector<FSDPState*>& order, int direction);
 
 }  // namespace fsdp

@@ -3,18 +3,14 @@
 // post-forward reshard, pre-backward unshard, post-backward reduce-scatter + reshard), plus the
 // root's pre-forward (lazy initialisation, start of an iteration) and the end-of-backward callback.
 //
-// [Note: iteration] The root's pre-forward starts an iteration. Each unit's pre-forward unshards it
-// and routes its grad-requiring inputs through RegisterPostBackward; its post-forward reshards it
-// (FULL_SHARD; the root keeps its parameters until backward) and hooks the outputs that require
-// grad (pre-backward). The first pre-backward of the iteration queues the end-of-backward callback
-// and sets aside the sharded gradients of every unit that ran forward. A unit's pre-backward
-// unshards it and prefetches the unit that ran before it in forward. Its post-backward reshards it
-// and reduce-scatters its gradients, in reverse forward order on every rank (a unit whose turn has
-// not come waits, so the collectives match across ranks). The end-of-backward callback reduces
-// every unit that has not been (zeros for a unit that got no gradient on this rank: no rank
-// hangs), waits for the reduce-scatters, points `.grad` at the sharded gradients, reshards every
-// unit and ends the iteration. A forward with no backward to follow (grad mode off, or no output
-// requiring grad) reshards every unit at the root's post-forward and ends the iteration.
+// [Note: iteration] The root's pre-forward starts an iteration (or continues it: several forwards
+// may precede one backward, see fsdp/unit_iteration.h). Each unit's pre-forward records a call,
+// unshards the unit and routes its grad-requiring inputs through RegisterPostBackward; its
+// post-forward reshards it (FULL_SHARD; the root keeps its parameters until backward) and hooks
+// the outputs that require grad (pre-backward). Backward is in fsdp/backward.h. A root forward
+// after which no backward can run (grad mode off, or no output requiring grad) reshards every
+// unit. A root forward or backward that threw leaves the context for the next root forward to
+// clean up (fsdp/backward.h: discard_iteration).
 
 #include "contract/forward_values.h"
 

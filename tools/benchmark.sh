@@ -2,8 +2,10 @@
 # Benchmarks fully_shard against plain local training and against PyTorch's own FSDP (FSDP2
 # fully_shard and FSDP1 FullyShardedDataParallel, CPU + Gloo, from the installed torch), side by
 # side in one run: step time and overhead per unit per step at world size 1, step time at world
-# size 2, per-rank memory counted by a CPU allocator, and bytes communicated per step, each against
-# its formula. Prints the tables, writes JSON and renders a PNG chart.
+# size 2, per-rank memory counted by a CPU allocator (the peak over a whole training step for local
+# training and for fully_shard against the ZeRO-3 expectation, and the steady state), and bytes
+# communicated per step, each against its formula. Prints the tables, writes JSON and renders a PNG
+# chart (tools/bench/README.md says what each figure measures).
 #
 #   tools/benchmark.sh [--out PATH.json] [--quick]
 #
@@ -25,7 +27,7 @@ while [ $# -gt 0 ]; do
     --out) out="$2"; shift 2 ;;
     --out=*) out="${1#--out=}"; shift ;;
     --quick) quick=1; shift ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "benchmark.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done

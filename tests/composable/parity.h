@@ -38,6 +38,9 @@ struct Scenario {
   // All-gathers per backward pass that a unit's handle takes beyond the strategy's rule (e.g. a
   // unit called twice in forward).
   int extra_forward_calls = 0;
+  // All-gathers per backward pass that do not happen because backward cannot reach a unit (its
+  // outputs need no gradient: frozen parameters on inputs that need none).
+  int unreachable_backward_all_gathers = 0;
 };
 
 enum class Optim { kSgdMomentum, kAdam, kAdamW };

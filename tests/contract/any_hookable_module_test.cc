@@ -152,3 +152,18 @@ TEST_CASE("an IValueForwardModule is called through forward_ivalues and its hook
   });
   CHECK(torch::equal(any(torch::ones({2})), torch::full({2}, 4.0)));
 }
+
+TEST_CASE("a call through AnyHookableModule runs the module's forward-exception hooks") {
+  torch::nn::Linear linear(3, 2);
+  AnyHookableModule any(linear);
+  int calls = 0;
+  fsdp::contract::register_forward_exception_hook(*linear, [&](torch::nn::Module&, c10::Error& error) {
+    ++calls;
+    error.add_context("seen by the Linear's exception hook");
+  });
+  CHECK_THAT(error_of([&] { any(torch::randn({1, 4})); }),  // 4 features for a Linear(3, 2)
+             Catch::Contains("seen by the Linear's exception hook"));
+  CHECK(calls == 1);
+  CHECK_NOTHROW(any(torch::randn({1, 3})));
+  CHECK(calls == 1);
+}

@@ -16,6 +16,7 @@ namespace {
 
 using fsdp::contract::ForwardArgs;
 using fsdp::contract::RemovableHandle;
+using fsdp::contract::register_forward_exception_hook;
 using fsdp::contract::register_forward_hook;
 using fsdp::contract::register_forward_pre_hook;
 using fsdp::contract::run_forward;
@@ -55,6 +56,27 @@ struct MixedImpl : torch::nn::Module {
   }
 };
 TORCH_MODULE(Mixed);
+
+// Throws from forward: an index error (a c10::Error subclass) when `index` is out of range, else a
+// std::runtime_error when `index` is negative; otherwise returns x.
+struct ThrowerImpl : torch::nn::Module {
+  torch::Tensor forward(torch::Tensor x, int64_t index) {
+    if (index < 0) throw std::runtime_error("not a c10::Error");
+    TORCH_CHECK_INDEX(index < x.size(0), "index ", index, " is out of range for size ", x.size(0));
+    return x;
+  }
+};
+TORCH_MODULE(Thrower);
+
+// Calls `inner` through its hooks, so an error of the inner forward crosses this one.
+struct OuterImpl : torch::nn::Module {
+  explicit OuterImpl(Thrower inner) : inner_(register_module("inner", std::move(inner))) {}
+  torch::Tensor forward(torch::Tensor x, int64_t index) {
+    return run_forward(*inner_, x, index) + 1;
+  }
+  Thrower inner_;
+};
+TORCH_MODULE(Outer);
 
 struct SinkImpl : torch::nn::Module {
   void forward(const torch::Tensor& x) { received = x; }
@@ -394,4 +416,126 @@ TEST_CASE("threads with their own modules register hooks and run forward concurr
     CHECK(pre_calls[t] == kCalls);
     CHECK(correct_outputs[t] == kCalls);
   }
+}
+
+TEST_CASE("forward-exception hooks see forward's error, may add context, and it is rethrown") {
+  Thrower thrower;
+  Log log;
+  register_forward_exception_hook(*thrower, [&](torch::nn::Module& m, c10::Error& error) {
+    log.push_back(std::string("exception1 ") + (m.name().find("ThrowerImpl") != std::string::npos ? "ThrowerImpl" : m.name()));
+    error.add_context("first hook's context");
+  });
+  register_forward_exception_hook(*thrower, [&](torch::nn::Module&, c10::Error& error) {
+    log.push_back("exception2");
+    CHECK(error.context().size() == 1);  // sees the first hook's context
+    error.add_context("second hook's context");
+  });
+  CHECK(fsdp::contract::num_forward_exception_hooks(*thrower) == 2);
+
+  // The same error object, with its type, is rethrown.
+  std::string message;
+  try {
+    run_forward(*thrower, torch::ones({2}), int64_t{5});
+  } catch (const c10::IndexError& error) {
+    message = error.what_without_backtrace();
+  }
+  CHECK(log == Log{"exception1 ThrowerImpl", "exception2"});
+  CHECK_THAT(message, Catch::Contains("index 5 is out of range for size 2"));
+  CHECK_THAT(message, Catch::Contains("first hook's context"));
+  CHECK_THAT(message, Catch::Contains("second hook's context"));
+
+  // A forward that does not throw runs no exception hook.
+  log.clear();
+  CHECK(torch::equal(run_forward(*thrower, torch::ones({2}), int64_t{1}), torch::ones({2})));
+  CHECK(log.empty());
+}
+
+TEST_CASE("forward-exception hooks do not run for a hook's error or an exception that is not a c10::Error") {
+  Thrower thrower;
+  int exception_hook_calls = 0;
+  register_forward_exception_hook(*thrower,
+                                  [&](torch::nn::Module&, c10::Error&) { ++exception_hook_calls; });
+  auto pre = register_forward_pre_hook(*thrower, [](torch::nn::Module&, ForwardArgs&) {
+    TORCH_CHECK(false, "the pre-forward hook failed");
+  });
+  CHECK_THAT(error_of([&] { run_forward(*thrower, torch::ones({2}), int64_t{0}); }),
+             Catch::Contains("the pre-forward hook failed"));
+  pre.remove();
+  auto post = register_forward_hook(*thrower, [](torch::nn::Module&, const ForwardArgs&, c10::IValue&) {
+    TORCH_CHECK(false, "the post-forward hook failed");
+  });
+  CHECK_THAT(error_of([&] { run_forward(*thrower, torch::ones({2}), int64_t{0}); }),
+             Catch::Contains("the post-forward hook failed"));
+  post.remove();
+  CHECK_THROWS_AS(run_forward(*thrower, torch::ones({2}), int64_t{-1}), std::runtime_error);
+  CHECK(exception_hook_calls == 0);
+}
+
+TEST_CASE("a forward-exception hook may throw another error instead") {
+  Thrower thrower;
+  int later_calls = 0;
+  register_forward_exception_hook(*thrower, [](torch::nn::Module&, c10::Error& error) {
+    TORCH_CHECK(false, "replaced: ", error.msg());
+  });
+  register_forward_exception_hook(*thrower, [&](torch::nn::Module&, c10::Error&) { ++later_calls; });
+  const std::string message = error_of([&] { run_forward(*thrower, torch::ones({2}), int64_t{9}); });
+  CHECK_THAT(message, Catch::StartsWith("replaced: index 9 is out of range"));
+  CHECK(later_calls == 0);
+}
+
+TEST_CASE("an error crossing nested calls meets the inner module's exception hooks first") {
+  Outer outer(Thrower{});
+  Log log;
+  register_forward_exception_hook(*outer, [&](torch::nn::Module&, c10::Error& error) {
+    log.push_back("outer sees " + std::to_string(error.context().size()) + " context line(s)");
+    error.add_context("outer");
+  });
+  register_forward_exception_hook(*outer->inner_, [&](torch::nn::Module&, c10::Error& error) {
+    log.push_back("inner");
+    error.add_context("inner");
+  });
+  // Hooks of the same call that ran before the error still ran; post-forward hooks do not.
+  register_forward_pre_hook(*outer, log_pre(log, "outer pre"));
+  register_forward_hook(*outer, log_post(log, "outer post"));
+  const std::string message = error_of([&] { run_forward(*outer, torch::ones({2}), int64_t{3}); });
+  CHECK(log == Log{"outer pre", "inner", "outer sees 1 context line(s)"});
+  CHECK_THAT(message, Catch::Contains("index 3 is out of range"));
+  CHECK(message.find("inner") < message.find("outer"));
+}
+
+TEST_CASE("run_forward_ivalues runs the forward-exception hooks") {
+  Thrower thrower;
+  int calls = 0;
+  register_forward_exception_hook(*thrower, [&](torch::nn::Module&, c10::Error& error) {
+    ++calls;
+    error.add_context("seen by the hook");
+  });
+  const std::string message = error_of([&] {
+    run_forward_ivalues(*thrower, {c10::IValue(torch::ones({1})), c10::IValue(int64_t{4})},
+                        [&](const ForwardArgs& args) {
+                          return c10::IValue(thrower->forward(args[0].toTensor(), args[1].toInt()));
+                        });
+  });
+  CHECK(calls == 1);
+  CHECK_THAT(message, Catch::Contains("seen by the hook"));
+}
+
+TEST_CASE("forward-exception hooks are removed like the other hooks") {
+  Thrower thrower;
+  int calls = 0;
+  auto hook = [&](torch::nn::Module&, c10::Error&) { ++calls; };
+  RemovableHandle handle = register_forward_exception_hook(*thrower, hook);
+  CHECK(handle.is_registered());
+  handle.remove();
+  CHECK_FALSE(handle.is_registered());
+  CHECK(fsdp::contract::num_forward_exception_hooks(*thrower) == 0);
+  CHECK_THROWS(run_forward(*thrower, torch::ones({1}), int64_t{1}));
+  CHECK(calls == 0);
+
+  const auto checkpoint = fsdp::contract::forward_hook_checkpoint();
+  RemovableHandle late = register_forward_exception_hook(*thrower, hook);
+  fsdp::contract::remove_forward_hooks_after(checkpoint, {thrower.get()});
+  CHECK_FALSE(late.is_registered());
+  CHECK_THAT(error_of([&] { register_forward_exception_hook(*thrower, nullptr); }),
+             Catch::Contains("register_forward_exception_hook") && Catch::Contains("empty std::function"));
 }

@@ -11,6 +11,7 @@
 namespace {
 
 using fsdp::contract::ForwardArgs;
+using fsdp::contract::register_forward_exception_hook;
 using fsdp::contract::register_forward_hook;
 using fsdp::contract::register_forward_pre_hook;
 
@@ -34,6 +35,12 @@ struct ScaleImpl : torch::nn::Module {
   torch::Tensor forward(torch::Tensor x, double scale = 3.0) { return x * scale; }
 };
 FSDP_HOOKABLE_MODULE(Scale);
+
+// Fails inside forward for an input whose size is not a multiple of 3.
+struct FailingImpl : torch::nn::Module {
+  torch::Tensor forward(torch::Tensor x) { return x.view({-1, 3}); }
+};
+FSDP_HOOKABLE_MODULE(Failing);
 
 auto log_pre(Log& log, std::string name) {
   return [&log, name](torch::nn::Module&, ForwardArgs&) { log.push_back(name); };
@@ -111,4 +118,38 @@ TEST_CASE("hooks see the arguments the caller passed; forward fills in its defau
   CHECK(num_args == 1);
   CHECK(torch::equal(scale(torch::ones({1}), 5.0), torch::full({1}, 5.0)));
   CHECK(num_args == 2);
+}
+
+// LibTorch's holders call forward directly; APIs that rely on hooks refuse them at compile time.
+static_assert(fsdp::contract::HookableHolder<Inner>);
+static_assert(fsdp::contract::HookableHolder<const Block&>);
+static_assert(!fsdp::contract::HookableHolder<torch::nn::ModuleHolder<InnerImpl>>);
+static_assert(!fsdp::contract::HookableHolder<InnerImpl>);
+
+TEST_CASE("HookableHolder tells hook-able holders from LibTorch's") {
+  // Checked at compile time above; the run-time side: a plain holder runs no hooks.
+  torch::nn::ModuleHolder<InnerImpl> plain(std::make_shared<InnerImpl>());
+  int calls = 0;
+  register_forward_pre_hook(*plain, [&](torch::nn::Module&, ForwardArgs&) { ++calls; });
+  plain->forward(torch::ones({1}));
+  CHECK(calls == 0);
+  Inner hookable(plain.ptr());
+  hookable(torch::ones({1}));
+  CHECK(calls == 1);
+}
+
+TEST_CASE("a forward-exception hook runs when a hook-able holder's forward throws") {
+  Failing failing;
+  register_forward_exception_hook(*failing, [](torch::nn::Module& m, c10::Error& error) {
+    error.add_context("while running " + m.name());
+  });
+  std::string message;
+  try {
+    failing(torch::ones({4}));
+  } catch (const c10::Error& error) {
+    message = error.what_without_backtrace();
+  }
+  CHECK_THAT(message, Catch::Contains("invalid for input of size 4"));
+  CHECK_THAT(message, Catch::Contains("while running") && Catch::Contains("FailingImpl"));
+  CHECK(failing(torch::ones({3})).sizes() == torch::IntArrayRef({1, 3}));
 }

@@ -167,3 +167,12 @@ TEST_CASE("shipped holders register as submodules under LibTorch's FQNs") {
         std::vector<std::string>{"embed.weight", "norm.weight", "norm.bias", "proj.weight",
                                  "proj.bias"});
 }
+
+// The shipped holders run hooks; LibTorch's own holders of the same modules do not.
+static_assert(fsdp::contract::HookableHolder<fsdp::contract::Linear>);
+static_assert(fsdp::contract::HookableHolder<fsdp::contract::Embedding>);
+static_assert(fsdp::contract::HookableHolder<fsdp::contract::LayerNorm>);
+static_assert(fsdp::contract::HookableHolder<fsdp::contract::Conv2d>);
+static_assert(fsdp::contract::HookableHolder<fsdp::contract::MultiheadAttention>);
+static_assert(!fsdp::contract::HookableHolder<torch::nn::Linear>);
+static_assert(!fsdp::contract::HookableHolder<torch::nn::Embedding>);

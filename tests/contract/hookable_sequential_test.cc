@@ -211,3 +211,23 @@ TEST_CASE("a Sequential inside a cloned parent is cloned consistently") {
   // The copy's container calls the copy's own children.
   CHECK(copy->body->ptr(0).get() == copy->named_children()["body"]->named_children()["0"].get());
 }
+
+// Sequential is a hook-able holder; LibTorch's is not (APIs relying on hooks refuse it).
+static_assert(fsdp::contract::HookableHolder<Sequential>);
+static_assert(!fsdp::contract::HookableHolder<torch::nn::Sequential>);
+static_assert(!fsdp::contract::HookableHolder<torch::nn::ModuleList>);
+
+TEST_CASE("a child's error meets the child's, then the Sequential's forward-exception hooks") {
+  Sequential seq(Add(1.0), fsdp::contract::Linear(2, 2));
+  Log log;
+  fsdp::contract::register_forward_exception_hook(
+      *seq->ptr(1), [&](torch::nn::Module& m, c10::Error&) { log.push_back("child " + m.name()); });
+  fsdp::contract::register_forward_exception_hook(*seq, [&](torch::nn::Module&, c10::Error& error) {
+    // The Sequential's own context about the failing child is already there.
+    log.push_back("seq, context: " + error.context().back());
+  });
+  CHECK_THROWS(seq(torch::ones({3})));  // wrong shape for the Linear
+  REQUIRE(log.size() == 2);
+  CHECK(log[0] == "child torch::nn::LinearImpl");
+  CHECK_THAT(log[1], Catch::Contains("while running child '1'"));
+}

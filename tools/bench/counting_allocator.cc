@@ -13,6 +13,7 @@ struct CountingAllocator::Context {
   CountingAllocator* owner;
   c10::DataPtr inner;
   int64_t nbytes;
+  int64_t serial;
 };
 
 CountingAllocator& CountingAllocator::install() {
@@ -31,14 +32,21 @@ c10::DataPtr CountingAllocator::allocate(size_t nbytes) {
   c10::DataPtr inner = wrapped_->allocate(nbytes);
   void* data = inner.get();
   const c10::Device device = inner.device();
-  auto* ctx = new Context{this, std::move(inner), static_cast<int64_t>(nbytes)};
+  auto* ctx = new Context{this, std::move(inner), static_cast<int64_t>(nbytes), 0};
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    ctx->serial = allocations_++;  // >= mark_serial_ and fresh_serial_
     if (data != nullptr) live_[data] = ctx->nbytes;
     current_ += ctx->nbytes;
-    peak_ = std::max(peak_, current_);
-    ++allocations_;
+    mark_current_ += ctx->nbytes;
+    fresh_current_ += ctx->nbytes;
     update_watched_locked();
+    peak_ = std::max(peak_, current_);
+    if (mark_current_ > mark_peak_) {
+      mark_peak_ = mark_current_;
+      watched_at_peak_ = watched_current_;
+      fresh_at_peak_ = fresh_current_;
+    }
   }
   return c10::DataPtr(data, ctx, &CountingAllocator::release, device);
 }
@@ -50,6 +58,8 @@ void CountingAllocator::release(void* ptr) {
     std::lock_guard<std::mutex> lock(self->mutex_);
     if (ctx->inner.get() != nullptr) self->live_.erase(ctx->inner.get());
     self->current_ -= ctx->nbytes;
+    if (ctx->serial >= self->mark_serial_) self->mark_current_ -= ctx->nbytes;
+    if (ctx->serial >= self->fresh_serial_) self->fresh_current_ -= ctx->nbytes;
   }
   delete ctx;  // frees through the wrapped allocator's deleter
   std::lock_guard<std::mutex> lock(self->mutex_);
@@ -61,7 +71,10 @@ void CountingAllocator::copy_data(void* dest, const void* src, std::size_t count
 }
 
 void CountingAllocator::update_watched_locked() {
-  if (watched_.empty()) return;
+  if (watched_.empty()) {
+    watched_current_ = 0;
+    return;
+  }
   int64_t sum = 0;
   for (const c10::StorageImpl* s : watched_) {
     const void* data = s->data_ptr().get();
@@ -83,11 +96,38 @@ int64_t CountingAllocator::peak() const {
   return peak_;
 }
 
+void CountingAllocator::mark() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  mark_serial_ = allocations_;
+  mark_current_ = 0;
+  mark_peak_ = 0;
+}
+
+int64_t CountingAllocator::current_since_mark() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return mark_current_;
+}
+
+int64_t CountingAllocator::peak_since_mark() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return mark_peak_;
+}
+
 void CountingAllocator::reset_peak() {
   std::lock_guard<std::mutex> lock(mutex_);
   peak_ = current_;
+  mark_peak_ = mark_current_;
+  fresh_serial_ = allocations_;
+  fresh_current_ = 0;
+  fresh_at_peak_ = 0;
   update_watched_locked();
   watched_peak_ = watched_current_;
+  watched_at_peak_ = watched_current_;
+}
+
+int64_t CountingAllocator::fresh_at_peak() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return fresh_at_peak_;
 }
 
 int64_t CountingAllocator::allocations() const {
@@ -116,6 +156,11 @@ int64_t CountingAllocator::watched_current() const {
 int64_t CountingAllocator::watched_peak() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return watched_peak_;
+}
+
+int64_t CountingAllocator::watched_at_peak() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return watched_at_peak_;
 }
 
 }  // namespace fsdp::bench

@@ -10,8 +10,10 @@
 // the root) step by step in turn, each step zero_grad + forward + backward + AdamW step, and
 // records each step's time (forward+backward and optimizer step apart), the loss, and the
 // Communicator's calls and bytes per collective kind per step. Then (--memory 1) it installs a
-// counting CPU allocator (tools/bench/counting_allocator.h) and measures per-rank bytes of
-// parameters, gradients, optimizer state and the peak of the unsharded buffers on fresh copies.
+// counting CPU allocator (tools/bench/counting_allocator.h) and, on fresh copies of each variant
+// (local and fsdp, on every rank), measures the peak of live bytes over whole training steps
+// (forward, backward, optimizer step, zero_grad), the bytes of parameters, gradients and optimizer
+// state after the step, and the peak of the unsharded buffers (see bench_memory).
 // Rank 0 writes every rank's results to one JSON file.
 
 #include <algorithm>
@@ -296,6 +298,8 @@ void write_handles(JsonWriter& w, const std::vector<fsdp::FSDPModule>& units) {
           .member("shard_numel", layout.shard_numel())
           .member("world_size", static_cast<int64_t>(layout.world_size))
           .member("params", static_cast<int64_t>(h->params().size()))
+          .member("local_shard_bytes", static_cast<int64_t>(h->local_shard().nbytes()))
+          .member("sharded", h->is_sharded_strategy())
           .end_object();
     }
   }
@@ -406,68 +410,145 @@ class StorageBytes {
   std::set<const void*> seen_;
 };
 
-/// Per-rank bytes of one variant, counted by the allocator: the live allocations behind the
-/// parameters, the gradients and AdamW's state between steps, the peak of the unsharded buffers
-/// (fsdp) and the peak of everything else forward and backward allocate on top (activations,
-/// unsharded buffers and gradients, ...).
+/// Warm-up and measured steps of the memory run.
+constexpr int64_t kMemoryWarmupSteps = 2;
+constexpr int64_t kMemoryMeasuredSteps = 3;
+
+/// Per-rank bytes of one variant on a fresh copy of the model, counted by the allocator. Every
+/// figure counts only the allocations made since the model began to be built (the allocator's
+/// mark()), so it is what this training run holds, whatever memory of an earlier run is released
+/// meanwhile (e.g. the states of destroyed fully_shard models, which the module-state registry
+/// drops at the next fully_shard call):
+///   - step peak: the peak of live bytes over a whole training step, forward + backward +
+///     optimizer.step() + zero_grad(), the peak reset right before the forward and read after
+///     zero_grad (the largest over the measured steps), and the peak as it stood right after the
+///     forward, and right after backward;
+///   - steady state after optimizer.step() (before zero_grad): the live allocations behind the
+///     parameters, the gradients and AdamW's state, and all live bytes; and all live bytes after
+///     zero_grad (what is held between steps);
+///   - at the moment of the step peak: the live bytes allocated during the step, and those held
+///     from before it;
+///   - fsdp: the peak of the unsharded FlatParameter buffers over forward + backward, and the
+///     unsharded buffers' bytes at the moment of the step peak.
 void bench_memory(JsonWriter& w, const std::string& model, bool fsdp, const Flags& f,
                   const TensorMap& t, fsdp::comm::Communicator& comm) {
   auto& alloc = fsdp::bench::CountingAllocator::install();
-  int64_t params = 0, grads = 0, optim_state = 0, persistent = 0, transient = 0, unsharded = 0;
-  int64_t lib_shards = 0, lib_grads = 0;
+  int64_t params = 0, grads = 0, optim_state = 0, persistent = 0, after_zero_grad = 0;
+  int64_t transient = 0, unsharded = 0, step_peak = 0, fb_peak = 0, step_start = 0;
+  int64_t unsharded_at_peak = 0, fresh_at_peak = 0;
+  int64_t lib_shards = 0, lib_grads = 0, max_in_flight = 0, absolute_peak = 0;
+  std::vector<int64_t> step_peaks, fb_peaks, fwd_peaks;
+  alloc.mark();
+  const int64_t older = alloc.current();  // live bytes of allocations made before the mark
+  JsonWriter handles_json;
   {
-    const int64_t a0 = alloc.current();
     auto tr = make_trainee(model, fsdp, t, comm.rank(), f.lr);
-    // Two steps: lazy initialisation, and the optimizer's state (created at its first step).
-    train_step(*tr, 0);
-    train_step(*tr, 1);
+    // One training step as measured: forward, backward, optimizer step, zero_grad (set_to_none).
+    auto step = [&](int64_t i, const std::function<void()>& after_forward,
+                    const std::function<void()>& after_backward,
+                    const std::function<void()>& after_optimizer_step) {
+      {
+        at::Tensor loss = tr->loss(i);
+        if (after_forward) after_forward();
+        loss.backward();
+      }
+      if (after_backward) after_backward();
+      tr->optim->step();
+      if (after_optimizer_step) after_optimizer_step();
+      tr->optim->zero_grad();
+    };
+    // Warm-up: lazy initialisation, and the optimizer's state (created at its first step).
+    tr->optim->zero_grad();
+    for (int64_t i = 0; i < kMemoryWarmupSteps; ++i) step(i, nullptr, nullptr, nullptr);
     if (fsdp) {
-      // The unsharded buffers keep their StorageImpl while freed and re-grown: watch those.
+      // The unsharded buffers keep their StorageImpl while freed and re-grown: watch those (only
+      // handles that shard have one; a handle that does not is its own shard).
       std::vector<const c10::StorageImpl*> storages;
       for (auto& unit : tr->units) {
         unit.unshard();
         for (const auto& h : unit.handles()) {
-          storages.push_back(h->params().front().param.storage().unsafeGetStorageImpl());
+          const c10::StorageImpl* s = h->params().front().param.storage().unsafeGetStorageImpl();
+          if (h->is_sharded_strategy() && s != h->local_shard().storage().unsafeGetStorageImpl()) {
+            storages.push_back(s);
+          }
         }
         unit.reshard();
       }
       alloc.watch(storages);
+      max_in_flight = tr->units.back().state().config().max_unshards_in_flight;
     }
-    for (int64_t i = 2; i < 4; ++i) {
-      tr->optim->zero_grad();
-      const int64_t before = alloc.current();
+    for (int64_t k = 0; k < kMemoryMeasuredSteps; ++k) {
+      const int64_t i = kMemoryWarmupSteps + k;
+      const bool last = k + 1 == kMemoryMeasuredSteps;
+      const int64_t before = alloc.current_since_mark();
+      step_start = std::max(step_start, before);
       alloc.reset_peak();
-      at::Tensor loss = tr->loss(i);
-      loss.backward();
-      transient = std::max(transient, alloc.peak() - before);
-      if (fsdp) unsharded = std::max(unsharded, alloc.watched_peak());
-      tr->optim->step();
+      step(
+          i, [&] { fwd_peaks.push_back(alloc.peak_since_mark()); },
+          [&] {
+            fb_peaks.push_back(alloc.peak_since_mark());
+            transient = std::max(transient, alloc.peak_since_mark() - before);
+            if (fsdp) unsharded = std::max(unsharded, alloc.watched_peak());
+          },
+          [&] {
+            if (!last) return;
+            // Steady state after the step, before zero_grad: what each kind of state holds.
+            persistent = alloc.current_since_mark();
+            StorageBytes param_bytes(alloc), grad_bytes(alloc), optim_bytes(alloc);
+            for (const auto& p : tr->module->parameters()) {
+              params += param_bytes.add(p);
+              grads += grad_bytes.add(p.grad());
+            }
+            for (const auto& entry : tr->optim->state()) {
+              const auto& s = static_cast<const torch::optim::AdamWParamState&>(*entry.second);
+              optim_state += optim_bytes.add(s.exp_avg()) + optim_bytes.add(s.exp_avg_sq()) +
+                             optim_bytes.add(s.max_exp_avg_sq());
+            }
+            for (auto& unit : tr->units) {
+              for (const auto& h : unit.handles()) {
+                lib_shards += static_cast<int64_t>(h->local_shard().nbytes());
+                lib_grads += static_cast<int64_t>(h->sharded_grad_bytes());
+              }
+            }
+          });
+      const int64_t peak = alloc.peak_since_mark();
+      step_peaks.push_back(peak);
+      absolute_peak = std::max(absolute_peak, alloc.peak());
+      if (peak >= step_peak) {
+        step_peak = peak;
+        unsharded_at_peak = alloc.watched_at_peak();
+        fresh_at_peak = alloc.fresh_at_peak();
+      }
+      if (last) after_zero_grad = alloc.current_since_mark();
     }
     alloc.watch({});
-    // Between steps: what each kind of state holds.
-    persistent = alloc.current() - a0;
-    StorageBytes param_bytes(alloc), grad_bytes(alloc), optim_bytes(alloc);
-    for (const auto& p : tr->module->parameters()) {
-      params += param_bytes.add(p);
-      grads += grad_bytes.add(p.grad());
-    }
-    for (const auto& entry : tr->optim->state()) {
-      const auto& s = static_cast<const torch::optim::AdamWParamState&>(*entry.second);
-      optim_state += optim_bytes.add(s.exp_avg()) + optim_bytes.add(s.exp_avg_sq()) +
-                     optim_bytes.add(s.max_exp_avg_sq());
-    }
-    for (auto& unit : tr->units) {
-      for (const auto& h : unit.handles()) {
-        lib_shards += static_cast<int64_t>(h->local_shard().nbytes());
-        lib_grads += static_cast<int64_t>(h->sharded_grad_bytes());
-      }
-    }
+    if (fsdp) write_handles(handles_json, tr->units);
   }
+  fb_peak = *std::max_element(fb_peaks.begin(), fb_peaks.end());
   w.key(fsdp ? "fsdp" : "local").begin_object();
   w.member("params", params).member("grads", grads).member("optimizer", optim_state);
   w.member("peak_unsharded", unsharded).member("persistent_total", persistent);
+  w.member("after_zero_grad_total", after_zero_grad);
   w.member("peak_forward_backward_transient", transient);
-  if (fsdp) w.member("library_local_shard_bytes", lib_shards).member("library_sharded_grad_bytes", lib_grads);
+  w.member("step_peak", step_peak).member("forward_backward_peak", fb_peak);
+  w.member("forward_peak", *std::max_element(fwd_peaks.begin(), fwd_peaks.end()));
+  w.member("step_start", step_start);
+  // At the step peak: bytes allocated during the step, and bytes held from before it.
+  w.member("step_peak_allocated_during_step", fresh_at_peak);
+  w.member("step_peak_held_from_before_step", step_peak - fresh_at_peak);
+  w.key("step_peaks").array(step_peaks);
+  // Allocations older than the mark: live when the model began to be built, and still live at
+  // the end of the run; and the allocator's own peak (all live bytes) over the measured steps.
+  w.member("older_live_bytes_at_start", older);
+  w.member("older_live_bytes_at_end", alloc.current() - alloc.current_since_mark());
+  w.member("allocator_absolute_step_peak", absolute_peak);
+  w.member("warmup_steps", kMemoryWarmupSteps).member("measured_steps", kMemoryMeasuredSteps);
+  if (fsdp) {
+    w.member("unsharded_at_step_peak", unsharded_at_peak);
+    w.member("library_local_shard_bytes", lib_shards).member("library_sharded_grad_bytes", lib_grads);
+    w.member("max_unshards_in_flight", max_in_flight);
+    w.key("handles").raw(handles_json.str());
+  }
   w.end_object();
 }
 

@@ -15,13 +15,35 @@ Definitions (every time is a median over the steps after warm-up):
                      less sensitive than wall time to other jobs on the machine.
   overhead/unit/step (t_sharded - t_local) / units, at world size 1, each side against its own
                      local training of the same model in the same process (steps interleaved).
-  memory formula     per rank: sharded state / W (parameters, gradients, 2 AdamW moments: the
-                     handles' shard bytes) + the root's unsharded FlatParameters + the in-flight
-                     limit (2) x the largest non-root unit's unsharded FlatParameters.
-  comm formula       per handle: padded bytes in its communication dtype x calls per step (all-gather:
-                     2 for a non-root FULL_SHARD unit, 1 for the root; reduce-scatter: 1 when it
-                     requires grad); the Communicator counts that full payload per call, a rank
-                     sends that x (W-1)/W.
+  memory (all bytes counted by a CPU allocator installed over LibTorch's, per rank, each variant
+  on a fresh copy of the model, counting only allocations made since that copy began to be built;
+  2 warm-up steps, then 3 measured steps of forward, backward, optimizer.step(), zero_grad()):
+  step peak          the allocator's peak of live bytes over a whole training step: the peak reset
+                     right before the forward, read after optimizer.step() and zero_grad() (the
+                     largest over the measured steps); measured the same way for local training
+                     (plain LibTorch, no fully_shard, this rank's batch) and for fully_shard.
+  ZeRO-3 expectation per rank: sharded state + unsharded params + unsharded grads + activations:
+    sharded state    parameters + gradients + AdamW's 2 moments of this rank's shards, from the
+                     handles' layouts (shard_numel x element size; equal to the local_shard bytes).
+    unsharded params max_unshards_in_flight (the root's setting, 2) x the largest unit's padded
+                     unsharded FlatParameters (padded_numel x all-gather element size).
+    unsharded grads  2 (units being reduced) x the largest unit's padded unsharded gradient
+                     (padded_numel x reduce element size).
+    activations      the local run's step peak - its parameters + gradients + optimizer state
+                     (measured on the local run, same rank).
+  vs expectation     (fully_shard step peak - expectation) / expectation.
+  steady state       after optimizer.step() (before zero_grad): the live allocations behind the
+                     parameters, the gradients and AdamW's state; "held between steps": all live
+                     bytes after zero_grad().
+  all-gather formula the peak of the unsharded FlatParameter buffers over forward+backward against:
+                     the root's unsharded FlatParameters + the in-flight limit (2) x the largest
+                     non-root unit's (handles that shard only: a handle that does not shard, e.g.
+                     on one rank, has no separate unsharded buffer).
+  comm formula       per handle that shards: padded bytes in its communication dtype x calls per
+                     step (all-gather: 2 for a non-root FULL_SHARD unit, 1 for the root;
+                     reduce-scatter: 1 when it requires grad); the Communicator counts that full
+                     payload per call, a rank sends that x (W-1)/W. A handle that does not shard
+                     (one rank) communicates nothing.
 """
 
 import argparse
@@ -35,7 +57,8 @@ OVERHEAD_RATIO_TARGET = 5.0   # ours at most 1/5 of FSDP2's per unit per step (1
 STEP_TIME_TARGET = 0.05       # within 5% of local training (compute-bound model, W=1)
 MEMORY_TARGET = 0.10          # within 10% of the formula
 LOSS_TOLERANCE = 1e-5         # first losses, this project vs PyTorch
-IN_FLIGHT_LIMIT = 2
+IN_FLIGHT_LIMIT = 2             # the all-gather check's in-flight limit (the runtime's default)
+REDUCE_IN_FLIGHT = 2            # ZeRO-3 expectation: unsharded gradients of 2 units being reduced
 
 MODEL_TITLES = {"tiny": "100 x Linear(8,8) units (overhead-bound)",
                 "gpt": "GPT (compute-bound)"}
@@ -122,7 +145,8 @@ def memory_formula(handles):
     root = 0
     largest = 0
     for (unit, is_root), hs in unit_groups(handles).items():
-        b = sum(h["padded_numel"] * h["all_gather_element_size"] for h in hs)
+        b = sum(h["padded_numel"] * h["all_gather_element_size"] for h in hs
+                if h.get("sharded", True))
         if is_root:
             root += b
         else:
@@ -132,9 +156,48 @@ def memory_formula(handles):
             "root_unsharded": root, "largest_unit_unsharded": largest}
 
 
+def zero3_expectation(handles, max_in_flight, local):
+    """Per rank, from this rank's handles (the fully_shard run's) and its local run's memory."""
+    shard_params = sum(h["shard_numel"] * h["element_size"] for h in handles)
+    shard_grads = sum(h["shard_numel"] * h["element_size"] for h in handles if h["requires_grad"])
+    shard_optim = 2 * shard_grads                       # AdamW: exp_avg, exp_avg_sq
+    local_shard_bytes = sum(h.get("local_shard_bytes", 0) for h in handles)
+    largest_params = largest_grads = root_params = 0
+    largest_unit = None
+    for (unit, is_root), hs in unit_groups(handles).items():
+        p = sum(h["padded_numel"] * h["all_gather_element_size"] for h in hs)
+        g = sum(h["padded_numel"] * h["reduce_element_size"] for h in hs if h["requires_grad"])
+        if is_root:
+            root_params = p
+        if p > largest_params:
+            largest_params, largest_unit = p, unit or "(root)"
+        largest_grads = max(largest_grads, g)
+    sharded_state = shard_params + shard_grads + shard_optim
+    unsharded_params = max_in_flight * largest_params
+    unsharded_grads = REDUCE_IN_FLIGHT * largest_grads
+    local_state = local["params"] + local["grads"] + local["optimizer"]
+    activations = local["step_peak"] - local_state
+    return {"sharded_params": shard_params, "sharded_grads": shard_grads,
+            "sharded_optimizer": shard_optim, "sharded_state": sharded_state,
+            "local_shard_bytes": local_shard_bytes,
+            "sharded_params_equal_local_shard_bytes": shard_params == local_shard_bytes,
+            "max_unshards_in_flight": max_in_flight, "largest_unit": largest_unit,
+            "largest_unit_unsharded_params": largest_params,
+            "largest_unit_unsharded_grads": largest_grads,
+            "unsharded_params": unsharded_params,
+            "reduce_in_flight": REDUCE_IN_FLIGHT, "unsharded_grads": unsharded_grads,
+            "local_params_grads_optimizer": local_state, "local_step_peak": local["step_peak"],
+            "activations": activations,
+            "total": sharded_state + unsharded_params + unsharded_grads + activations,
+            "root_unsharded_params_not_in_expectation": root_params,
+            "handles_not_sharded": sum(1 for h in handles if not h.get("sharded", True))}
+
+
 def comm_formula(handles, world):
     ag_calls = ag_bytes = rs_calls = rs_bytes = 0
     for h in handles:
+        if not h.get("sharded", True):
+            continue   # a handle that does not shard (one rank): nothing to all-gather or reduce-scatter
         calls = 1 if h["root"] else 2   # FULL_SHARD: forward and backward; the root stays unsharded
         ag_calls += calls
         ag_bytes += calls * h["padded_numel"] * h["all_gather_element_size"]
@@ -279,18 +342,118 @@ def main():
         say("")
 
         # --- memory per rank, counted by the allocator
+        # 1. the peak of live bytes over a whole training step, local vs fully_shard, against the
+        #    ZeRO-3 expectation
+        res["memory_peak"] = {}
+        peak_rows, peak_notes = [], []
+        for world, run in ((1, cpp1), (2, cpp2)):
+            if run is None or "memory" not in run["ranks"][0]:
+                continue
+            per_rank = []
+            for r in run["ranks"]:
+                m = r["memory"][model]["fsdp"]
+                loc = r["memory"][model]["local"]
+                if "step_peak" not in m or "step_peak" not in loc:
+                    continue
+                hs = m.get("handles") or r["timing"][model]["handles"]
+                e = zero3_expectation(hs, m.get("max_unshards_in_flight") or IN_FLIGHT_LIMIT, loc)
+                diff = m["step_peak"] - e["total"]
+                entry = {
+                    "rank": r["rank"],
+                    "local_step_peak": loc["step_peak"],
+                    "fully_shard_step_peak": m["step_peak"],
+                    "ratio_fully_shard_over_local": m["step_peak"] / loc["step_peak"],
+                    "expectation": e,
+                    "expected_total": e["total"],
+                    "measured_minus_expected": diff,
+                    "measured_vs_expected": diff / e["total"],
+                    "phases": {v: {"forward_peak": x.get("forward_peak"),
+                                   "forward_backward_peak": x["forward_backward_peak"],
+                                   "step_peak": x["step_peak"], "step_peaks": x["step_peaks"],
+                                   "step_start": x["step_start"],
+                                   "at_peak_held_from_before_step": x.get("step_peak_held_from_before_step"),
+                                   "at_peak_allocated_during_step": x.get("step_peak_allocated_during_step")}
+                               for v, x in (("local", loc), ("fully_shard", m))},
+                    "unsharded_params_at_fully_shard_peak": m.get("unsharded_at_step_peak"),
+                    "steady_state": {v: {"params": x["params"], "grads": x["grads"],
+                                         "optimizer": x["optimizer"],
+                                         "all_after_optimizer_step": x["persistent_total"],
+                                         "held_between_steps": x["after_zero_grad_total"]}
+                                     for v, x in (("local", loc), ("fully_shard", m))},
+                    "allocator": {v: {"older_live_bytes_at_start": x.get("older_live_bytes_at_start"),
+                                      "absolute_step_peak": x.get("allocator_absolute_step_peak")}
+                                  for v, x in (("local", loc), ("fully_shard", m))},
+                }
+                per_rank.append(entry)
+                peak_rows.append([f"W={world}", f"{r['rank']}", fmt_bytes(loc["step_peak"]),
+                                  fmt_bytes(m["step_peak"]), f"{entry['ratio_fully_shard_over_local']:.3f}",
+                                  fmt_bytes(e["total"]), fmt_bytes(e["sharded_state"]),
+                                  fmt_bytes(e["unsharded_params"]), fmt_bytes(e["unsharded_grads"]),
+                                  fmt_bytes(e["activations"]),
+                                  f"{'+' if diff >= 0 else '-'}{fmt_bytes(abs(diff))} "
+                                  f"({100 * entry['measured_vs_expected']:+.1f}%)"])
+            if not per_rank:
+                continue
+            res["memory_peak"][f"W{world}"] = per_rank
+            pr = per_rank[0]
+            e = pr["expectation"]
+            ph = pr["phases"]
+            peak_notes.append(
+                f"  W={world} terms (rank {pr['rank']}): sharded state = params {fmt_bytes(e['sharded_params'])} + grads "
+                f"{fmt_bytes(e['sharded_grads'])} + AdamW moments {fmt_bytes(e['sharded_optimizer'])} (handles' "
+                f"layouts; = local_shard bytes: {'yes' if e['sharded_params_equal_local_shard_bytes'] else 'NO'}); "
+                f"unsharded params = {e['max_unshards_in_flight']} (max_unshards_in_flight) x "
+                f"{fmt_bytes(e['largest_unit_unsharded_params'])} (largest unit '{e['largest_unit']}'); "
+                f"unsharded grads = {e['reduce_in_flight']} x {fmt_bytes(e['largest_unit_unsharded_grads'])}; "
+                f"activations = local peak {fmt_bytes(e['local_step_peak'])} - local params+grads+optimizer "
+                f"{fmt_bytes(e['local_params_grads_optimizer'])}")
+            fs, lo = ph["fully_shard"], ph["local"]
+            peak_notes.append(
+                f"  W={world} phases (rank {pr['rank']}; fully_shard / local): peak through forward "
+                f"{fmt_bytes(fs['forward_peak'])} / {fmt_bytes(lo['forward_peak'])}, through backward "
+                f"{fmt_bytes(fs['forward_backward_peak'])} / {fmt_bytes(lo['forward_backward_peak'])}, whole step "
+                f"{fmt_bytes(fs['step_peak'])} / {fmt_bytes(lo['step_peak'])}; at the peak, held from before the "
+                f"step {fmt_bytes(fs['at_peak_held_from_before_step'])} / {fmt_bytes(lo['at_peak_held_from_before_step'])}"
+                f" and allocated during it {fmt_bytes(fs['at_peak_allocated_during_step'])} / "
+                f"{fmt_bytes(lo['at_peak_allocated_during_step'])}, of which unsharded parameter buffers "
+                f"{fmt_bytes(pr['unsharded_params_at_fully_shard_peak'])} (the root unit's, not in the "
+                f"expectation: {fmt_bytes(e['root_unsharded_params_not_in_expectation'])})")
+            ss = pr["steady_state"]
+            peak_notes.append(
+                f"  W={world} steady state (rank {pr['rank']}; fully_shard / local): after optimizer.step() "
+                f"params {fmt_bytes(ss['fully_shard']['params'])} / {fmt_bytes(ss['local']['params'])}, grads "
+                f"{fmt_bytes(ss['fully_shard']['grads'])} / {fmt_bytes(ss['local']['grads'])}, optimizer state "
+                f"{fmt_bytes(ss['fully_shard']['optimizer'])} / {fmt_bytes(ss['local']['optimizer'])}, all live "
+                f"{fmt_bytes(ss['fully_shard']['all_after_optimizer_step'])} / "
+                f"{fmt_bytes(ss['local']['all_after_optimizer_step'])}; held between steps (after zero_grad) "
+                f"{fmt_bytes(ss['fully_shard']['held_between_steps'])} / {fmt_bytes(ss['local']['held_between_steps'])}")
+            if e["handles_not_sharded"]:
+                peak_notes.append(
+                    f"  W={world}: {e['handles_not_sharded']} of {len(m.get('handles') or [])} handles do not "
+                    f"shard (each is its own shard: no unsharded copy, no separate gradient buffer), so the "
+                    f"unsharded terms are an upper bound there")
+        if peak_rows:
+            say(f"== {res['title']}: peak memory per rank over a whole training step (forward, backward, "
+                f"optimizer.step(), zero_grad(); counting CPU allocator) vs the ZeRO-3 expectation ==")
+            say(table(["world", "rank", "local peak", "fully_shard peak", "fs/local", "ZeRO-3 expected",
+                       "= sharded state", "+ unsharded params", "+ unsharded grads", "+ activations",
+                       "measured - expected"], peak_rows))
+            for line in peak_notes:
+                say(line)
+            say("")
+
+        # 2. steady state after the step, and the all-gather buffers against their formula
         res["memory"] = {}
         for world, run in ((1, cpp1), (2, cpp2)):
             if run is None or "memory" not in run["ranks"][0]:
                 continue
-            handles = run["ranks"][0]["timing"][model]["handles"]
             rows = []
             per_rank = []
             for r in run["ranks"]:
-                hs = r["timing"][model]["handles"]
-                f = memory_formula(hs)
                 m = r["memory"][model]["fsdp"]
                 loc = r["memory"][model]["local"]
+                hs = m.get("handles") or r["timing"][model]["handles"]
+                f = memory_formula(hs)
                 comp = {}
                 for key in ("params", "grads", "optimizer", "peak_unsharded"):
                     comp[key] = {"measured": m[key], "formula": f[key], "local": loc[key]}
@@ -302,19 +465,27 @@ def main():
                 per_rank.append({"rank": r["rank"], "components": comp,
                                  "peak_forward_backward_transient": m["peak_forward_backward_transient"],
                                  "local_peak_forward_backward_transient": loc["peak_forward_backward_transient"],
+                                 "held_between_steps": m.get("after_zero_grad_total"),
+                                 "local_held_between_steps": loc.get("after_zero_grad_total"),
                                  "root_unsharded_formula": f["root_unsharded"],
                                  "largest_unit_unsharded_formula": f["largest_unit_unsharded"]})
             res["memory"][f"W{world}"] = per_rank
+            labels = {"peak_unsharded": "all-gather buffers (peak)",
+                      "total": "state + all-gather peak"}
             for pr in per_rank:
                 for key in ("params", "grads", "optimizer", "peak_unsharded", "total"):
                     c = pr["components"][key]
-                    rows.append([f"rank {pr['rank']}", key, fmt_bytes(c["measured"]), fmt_bytes(c["formula"]),
-                                 f"{100 * (c['ratio'] - 1):+.1f}%", fmt_bytes(c["local"])])
-            say(f"== {res['title']}: memory per rank, world size {world} (counting CPU allocator; "
-                f"formula: shard bytes, 2 AdamW moments, root {fmt_bytes(per_rank[0]['root_unsharded_formula'])} "
-                f"+ {IN_FLIGHT_LIMIT} x largest unit {fmt_bytes(per_rank[0]['largest_unit_unsharded_formula'])} unsharded) ==")
-            say(table(["rank", "state", "measured", "formula", "vs formula", "local training"], rows))
-            say(f"  activations etc. (peak of forward+backward on top of the state): fully_shard "
+                    rows.append([f"rank {pr['rank']}", labels.get(key, key), fmt_bytes(c["measured"]),
+                                 fmt_bytes(c["formula"]), f"{100 * (c['ratio'] - 1):+.1f}%", fmt_bytes(c["local"])])
+                if pr["held_between_steps"] is not None:
+                    rows.append([f"rank {pr['rank']}", "held between steps", fmt_bytes(pr["held_between_steps"]),
+                                 "-", "-", fmt_bytes(pr["local_held_between_steps"])])
+            say(f"== {res['title']}: steady state per rank after optimizer.step(), world size {world} "
+                f"(counting CPU allocator; formula: shard bytes, 2 AdamW moments; all-gather buffers: root "
+                f"{fmt_bytes(per_rank[0]['root_unsharded_formula'])} + {IN_FLIGHT_LIMIT} x largest unit "
+                f"{fmt_bytes(per_rank[0]['largest_unit_unsharded_formula'])} unsharded) ==")
+            say(table(["rank", "state", "fully_shard", "formula", "vs formula", "local training"], rows))
+            say(f"  peak of forward+backward on top of the bytes held before the forward (rank 0): fully_shard "
                 f"{fmt_bytes(per_rank[0]['peak_forward_backward_transient'])}, local "
                 f"{fmt_bytes(per_rank[0]['local_peak_forward_backward_transient'])}")
             say("")
@@ -348,6 +519,39 @@ def main():
         say(table(["world", "collective", "calls", "formula", "payload B", "formula B", "sent B",
                    "formula sent B", "equal"], rows))
         say("")
+
+    # --- headline figures of this run, one line each (easy to grep: "W=1 overhead", "W=1 GPT step time")
+    headline = results["headline"] = {}
+    say("== headline ==")
+    tiny1 = results["models"].get("tiny", {}).get("world1", {})
+    if "cpp:fsdp" in tiny1 and tiny1["cpp:fsdp"]["overhead_per_unit_step_us"] is not None:
+        ov = tiny1["cpp:fsdp"]["overhead_per_unit_step_us"]
+        headline["w1_overhead_us_per_unit_step"] = ov
+        others = [f"{name} {tiny1[k]['overhead_per_unit_step_us']:.1f} us"
+                  for k, name in (("py:fsdp2", "PyTorch FSDP2"), ("py:fsdp1", "PyTorch FSDP1"))
+                  if k in tiny1 and tiny1[k]["overhead_per_unit_step_us"] is not None]
+        say(f"W=1 overhead per unit per step (tiny, {results['models']['tiny']['units']} units): "
+            f"{ov:.1f} us/unit/step for fully_shard (step {tiny1['cpp:fsdp']['step_ms']:.2f} ms vs local "
+            f"{tiny1['cpp:local']['step_ms']:.2f} ms)" + (f"; {', '.join(others)}" if others else ""))
+    gpt1 = results["models"].get("gpt", {}).get("world1", {})
+    if "cpp:fsdp" in gpt1 and "cpp:local" in gpt1:
+        ratio = gpt1["cpp:fsdp"]["step_ms"] / gpt1["cpp:local"]["step_ms"]
+        cpu_ratio = gpt1["cpp:fsdp"]["cpu_ms"] / gpt1["cpp:local"]["cpu_ms"]
+        headline["w1_gpt_step_time_ratio_fully_shard_over_local"] = ratio
+        headline["w1_gpt_cpu_time_ratio_fully_shard_over_local"] = cpu_ratio
+        say(f"W=1 GPT step time fully_shard/local: {ratio:.3f} ({gpt1['cpp:fsdp']['step_ms']:.2f} ms / "
+            f"{gpt1['cpp:local']['step_ms']:.2f} ms; process CPU time {cpu_ratio:.3f})")
+    for model, res in results["models"].items():
+        for w, per_rank in res.get("memory_peak", {}).items():
+            worst = max(per_rank, key=lambda pr: pr["fully_shard_step_peak"])
+            headline[f"{model}_{w}_peak"] = {k: worst[k] for k in (
+                "rank", "local_step_peak", "fully_shard_step_peak", "ratio_fully_shard_over_local",
+                "expected_total", "measured_minus_expected", "measured_vs_expected")}
+            say(f"{w.replace('W', 'W=')} {model} step peak (rank {worst['rank']}): fully_shard "
+                f"{fmt_bytes(worst['fully_shard_step_peak'])}, local {fmt_bytes(worst['local_step_peak'])} "
+                f"(fully_shard/local {worst['ratio_fully_shard_over_local']:.3f}), ZeRO-3 expectation "
+                f"{fmt_bytes(worst['expected_total'])} ({100 * worst['measured_vs_expected']:+.1f}%)")
+    say("")
 
     # --- targets
     targets = results["targets"]
@@ -457,23 +661,24 @@ def render(results, path):
         bars(ax, labels, values, f"Step time, {'W=1' if world == 'world1' else 'W=2'} (ms, log)", "ms", log=True)
         for lab in ax.get_xticklabels():
             lab.set_rotation(45)
-    # 4: memory vs formula
+    # 4: whole-step memory peak per rank (rank 0): local, fully_shard, ZeRO-3 expectation
     ax = axes[1][0]
-    labels, meas, form = [], [], []
+    labels, loc, fs, exp = [], [], [], []
     for model in models:
-        for w, per_rank in models[model].get("memory", {}).items():
-            c = per_rank[0]["components"]
-            for key in ("params", "grads", "optimizer", "peak_unsharded"):
-                labels.append(f"{model} {w}\n{key.replace('peak_', '')}")
-                meas.append(c[key]["measured"])
-                form.append(c[key]["formula"])
+        for w, per_rank in models[model].get("memory_peak", {}).items():
+            pr = per_rank[0]
+            labels.append(f"{model} {w}")
+            loc.append(pr["local_step_peak"] / 2**20)
+            fs.append(pr["fully_shard_step_peak"] / 2**20)
+            exp.append(pr["expected_total"] / 2**20)
     xs = list(range(len(labels)))
-    ax.bar([x - 0.2 for x in xs], meas, 0.4, label="measured (allocator)")
-    ax.bar([x + 0.2 for x in xs], form, 0.4, label="formula")
+    ax.bar([x - 0.27 for x in xs], loc, 0.27, label="local peak", color=colors["local"])
+    ax.bar(xs, fs, 0.27, label="fully_shard peak", color=colors["this project"])
+    ax.bar([x + 0.27 for x in xs], exp, 0.27, label="ZeRO-3 expectation", color="#2ca02c")
     ax.set_xticks(xs)
-    ax.set_xticklabels(labels, fontsize=6, rotation=90)
+    ax.set_xticklabels(labels, fontsize=8)
     ax.set_yscale("log")
-    ax.set_title("Memory per rank (rank 0), bytes (log)", fontsize=10)
+    ax.set_title("Peak memory over a training step, rank 0 (MiB, log)", fontsize=10)
     ax.legend(fontsize=8)
     # 5: comm vs formula
     ax = axes[1][1]

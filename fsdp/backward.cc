@@ -1,0 +1,188 @@
+#include "fsdp/backward.h"
+
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+
+#include "fsdp/fsdp_state.h"
+#include "fsdp/post_backward_function.h"
+#include "fsdp/root_context.h"
+
+namespace fsdp::runtime {
+namespace {
+
+// Hooks carry the iteration's generation and the call's index in one integer.
+constexpr int kCallBits = 24;
+int64_t make_tag(int64_t generation, size_t call) {
+  return (generation << kCallBits) | static_cast<int64_t>(call);
+}
+int64_t tag_generation(int64_t tag) { return tag >> kCallBits; }
+size_t tag_call(int64_t tag) { return static_cast<size_t>(tag & ((int64_t{1} << kCallBits) - 1)); }
+
+bool has_trainable_handle(const FSDPState& unit) {
+  for (const auto& h : unit.handles()) {
+    if (h->requires_grad()) return true;
+  }
+  return false;
+}
+
+// Whether the unit's parameters stay unsharded after its backward: gradient accumulation with
+// set_reshard_after_backward(false).
+bool keeps_unsharded_after_backward(const FSDPState& unit) {
+  return !unit.reshard_after_backward && !unit.requires_gradient_sync;
+}
+
+void finalize(FSDPState& unit) {
+  for (const auto& handle : unit.handles()) handle->finalize_gradients();
+}
+
+// Reduces, in reverse forward order, every unit whose turn has come: with `final`, all of them;
+// else only while the next one has finished its backward.
+void reduce_in_order(RootContext& context, bool final) {
+  const size_t n = context.forward_order.size();
+  while (context.reduced_from_back < n) {
+    FSDPState* unit = context.forward_order[n - 1 - context.reduced_from_back];
+    if (unit->iteration.may_get_gradients() && has_trainable_handle(*unit)) {
+      if (!final && !unit->iteration.backward_complete()) break;
+      for (const auto& handle : unit->handles()) handle->reduce_gradients(unit->requires_gradient_sync);
+      // The previous unit's reduction has had this unit's reduction to overlap with: finish it
+      // and free its buffers.
+      if (context.awaiting_finalize != nullptr) finalize(*context.awaiting_finalize);
+      context.awaiting_finalize = unit->requires_gradient_sync ? unit : nullptr;
+    }
+    unit->iteration.set_reduced();
+    ++context.reduced_from_back;
+  }
+}
+
+void end_of_backward(RootContext& context) {
+  reduce_in_order(context, /*final=*/true);
+  context.awaiting_finalize = nullptr;
+  for (FSDPState* unit : context.forward_order) {
+    finalize(*unit);
+    for (const auto& handle : unit->handles()) handle->commit_gradients();
+  }
+  for (FSDPState* unit : context.states) {
+    if (!keeps_unsharded_after_backward(*unit)) context.reshard(*unit);
+    unit->set_training_state(TrainingState::kIdle);
+  }
+  context.previous_forward_order = context.forward_order;
+  context.phase = IterationPhase::kIdle;
+  ++context.iterations;
+}
+
+void begin_backward_pass(RootContext& context) {
+  context.phase = IterationPhase::kBackward;
+  context.reduced_from_back = 0;
+  context.awaiting_finalize = nullptr;
+  torch::autograd::Engine::get_default_engine().queue_callback([c = &context] { end_of_backward(*c); });
+  for (FSDPState* unit : context.forward_order) {
+    unit->iteration.begin_backward_pass();
+    if (!unit->iteration.may_get_gradients()) continue;
+    for (const auto& handle : unit->handles()) handle->prepare_gradients_for_backward();
+  }
+}
+
+// Backward prefetch: the unit that ran before this one in forward runs its backward next.
+void prefetch_for_backward(RootContext& context, const FSDPState& unit) {
+  const auto* explicit_targets = unit.backward_prefetch_targets ? &*unit.backward_prefetch_targets : nullptr;
+  for (FSDPState* next : prefetch_targets(unit, explicit_targets, context.forward_order, -1)) {
+    if (!next->iteration.reduced() && next->iteration.may_get_gradients()) {
+      context.prefetch(*next, unit, explicit_targets == nullptr);
+    }
+  }
+}
+
+void pre_backward(FSDPState& unit, int64_t tag) {
+  RootContext& context = *unit.root_context();
+  TORCH_CHECK(!c10::GradMode::is_enabled(), "fully_shard: unit '", unit.fqn(),
+              "' is in a backward with create_graph=true (a double backward, e.g. a gradient "
+              "penalty through torch::autograd::grad); fully_shard does not support "
+              "differentiating through gradients, because each unit's unsharded parameters are "
+              "freed after its backward. Compute the gradients without create_graph.");
+  TORCH_CHECK(tag_generation(tag) == context.generation, "fully_shard: unit '", unit.fqn(),
+              "' is in a backward through the graph of an earlier iteration (the root ran a new "
+              "forward since); run every backward through a graph before the root's next forward");
+  if (context.phase != IterationPhase::kBackward) begin_backward_pass(context);
+  unit.iteration.call_pre_backward(tag_call(tag));
+  context.unshard(unit);
+  for (const auto& handle : unit.handles()) handle->prepare_gradient_buffer();
+  unit.set_training_state(TrainingState::kPreBackward);
+  if (unit.config().backward_prefetch == BackwardPrefetch::kBackwardPre) prefetch_for_backward(context, unit);
+}
+
+void post_backward(void* arg, int64_t tag) {
+  FSDPState& unit = *static_cast<FSDPState*>(arg);
+  RootContext& context = *unit.root_context();
+  if (tag_generation(tag) != context.generation || context.phase != IterationPhase::kBackward) return;
+  unit.iteration.call_post_backward(tag_call(tag));
+  if (unit.iteration.backward_running()) return;  // another call of the unit is mid-backward
+  const bool complete = unit.iteration.backward_complete();
+  // Resharded after each call (a later call's pre-backward unshards again), except when the unit
+  // is meant to be unsharded once through backward (SHARD_GRAD_OP, the root, a unit of sibling
+  // modules): then once complete.
+  const bool keep_until_complete =
+      !unit.config().reshard_after_forward || unit.is_root() || unit.modules().size() > 1;
+  if (!keeps_unsharded_after_backward(unit) && (complete || !keep_until_complete)) context.reshard(unit);
+  if (complete) {
+    unit.set_training_state(TrainingState::kPostBackward);
+    reduce_in_order(context, /*final=*/false);
+  }
+  // After this unit's gradient computation (and its reduction, once its turn came).
+  if (unit.config().backward_prefetch == BackwardPrefetch::kBackwardPost) prefetch_for_backward(context, unit);
+}
+
+}  // namespace
+
+void route_inputs_for_post_backward(FSDPState& unit, size_t call, contract::ForwardArgs& args) {
+  std::vector<at::Tensor> needs_grad;
+  for (const auto& arg : args) {
+    contract::for_each_tensor(arg, [&](const at::Tensor& t) {
+      if (t.requires_grad()) needs_grad.push_back(t);
+    });
+  }
+  if (needs_grad.empty()) return;  // the end of this call's backward cannot be seen
+  const int64_t tag = make_tag(unit.root_context()->generation, call);
+  std::vector<at::Tensor> routed = register_post_backward(needs_grad, &post_backward, &unit, tag);
+  size_t next = 0;
+  for (auto& arg : args) {
+    arg = contract::map_tensors(arg, [&](const at::Tensor& t) {
+      return t.requires_grad() ? routed[next++] : t;
+    });
+  }
+  unit.iteration.set_post_backward_visible(call);
+}
+
+std::vector<at::Tensor> hook_outputs_for_backward(FSDPState& unit, c10::IValue& output) {
+  std::vector<at::Tensor> hooked;
+  c10::intrusive_ptr<torch::autograd::Node> node;
+  if (c10::GradMode::is_enabled() && unit.iteration.ran_forward()) {
+    const int64_t tag = make_tag(unit.root_context()->generation, unit.iteration.latest_call());
+    contract::for_each_tensor(output, [&](const at::Tensor& t) {
+      if (!t.requires_grad()) return;
+      t.register_hook([u = &unit, tag](const at::TensorBase&) { pre_backward(*u, tag); });
+      if (!node) node = t.grad_fn();
+      hooked.push_back(t);
+    });
+  }
+  unit.iteration.end_call(!hooked.empty(), node);
+  return hooked;
+}
+
+void discard_iteration(RootContext& context) {
+  for (FSDPState* unit : context.states) {
+    for (const auto& handle : unit->handles()) handle->discard_gradients();
+    context.reshard(*unit);  // waits for an all-gather in flight first
+    unit->set_training_state(TrainingState::kIdle);
+    unit->iteration.reset();
+  }
+  context.awaiting_finalize = nullptr;
+  context.reduced_from_back = 0;
+  context.unshards_in_flight.clear();
+  context.forward_order.clear();
+  context.phase = IterationPhase::kIdle;
+  context.in_root_forward = false;
+}
+
+}  // namespace fsdp::runtime

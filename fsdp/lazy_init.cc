@@ -1,0 +1,72 @@
+#include "fsdp/lazy_init.h"
+
+#include <algorithm>
+
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+
+#include "contract/module_fqn.h"
+#include "contract/module_state.h"
+#include "fsdp/fsdp_state.h"
+#include "fsdp/root_context.h"
+#include "fsdp/tied_parameters.h"
+#include "fsdp/unit_tree.h"
+
+namespace fsdp::runtime {
+namespace {
+
+// Whether the module at `inner` is strictly inside the module at `outer` (FQNs from the root).
+bool contains_module(const std::string& outer, const std::string& inner) {
+  if (inner == outer) return false;
+  return outer.empty() || (inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 &&
+                           inner[outer.size()] == '.');
+}
+
+}  // namespace
+
+void lazy_init(FSDPState& state) {
+  auto& registry = contract::ModuleStateRegistry::global();
+  for (const auto& other : registry.modules_with(kFullyShardApi)) {
+    if (other.get() == &state.module()) continue;
+    if (contract::find_module_fqn(*other, state.module()).has_value()) {
+      TORCH_CHECK(false, "fully_shard: module ", registry.describe(state.module()),
+                  " ran its forward before its root ", registry.describe(*other),
+                  " did: the root's first forward initialises every unit inside it. Call the "
+                  "root module (the outermost one fully_shard was applied to) first.");
+    }
+  }
+  auto context = std::make_shared<RootContext>();
+  context->root = &state;
+  context->comm = state.config().comm;
+  context->max_unsharded = std::max(1, state.config().max_unshards_in_flight);
+  UnitModuleFqns unit_fqns;
+  for (const auto& unit : units_in_tree(state.module())) {
+    TORCH_CHECK(unit.state->config().comm == context->comm, "fully_shard: unit ",
+                registry.describe(*unit.module),
+                " uses another communicator than its root; every unit of one model must use the "
+                "same one");
+    auto& names = unit_fqns[unit.state.get()];
+    if (names.empty()) context->states.push_back(unit.state.get());  // siblings: one unit, several modules
+    names.push_back(unit.fqn);
+  }
+  for (FSDPState* unit : context->states) {
+    unit->set_root_context(context);
+    std::string name;
+    for (const auto& n : unit_fqns[unit]) name += (name.empty() ? "" : "+") + (n.empty() ? std::string("<root>") : n);
+    unit->set_fqn(name);
+  }
+  for (FSDPState* unit : context->states) {
+    auto& above = context->ancestors[unit];
+    for (FSDPState* other : context->states) {
+      if (other == unit) continue;
+      bool contains = false;
+      for (const auto& outer : unit_fqns[other]) {
+        for (const auto& inner : unit_fqns[unit]) contains |= contains_module(outer, inner);
+      }
+      if (contains) above.push_back(other);
+    }
+  }
+  place_tied_parameters(*context, unit_fqns);
+}
+
+}  // namespace fsdp::runtime

@@ -1,0 +1,79 @@
+#pragma once
+// UnitIteration: what one unit did in the current iteration, as the runtime's forward and backward
+// phases see it. The root's pre-forward resets it when a new iteration starts.
+//
+// [Note: forward calls] A unit may run several times before a backward (a module called twice, two
+// root forwards whose losses are added, a forward whose graph is dropped before any backward).
+// Each pre-forward records a call; its post-forward says whether the call's outputs need a
+// gradient (else backward can never reach it) and keeps a weak reference to their autograd node
+// (expired: the graph was freed, the call is ignored). A call whose inputs need a gradient is
+// routed through RegisterPostBackward, whose backward marks the end of that call's backward; the
+// end of a call whose inputs need no gradient cannot be seen before the end of the backward pass.
+// The unit's gradients are ready for reduction when every live call that backward can reach has
+// finished its backward.
+
+#include <cstddef>
+#include <vector>
+
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/autograd/function.h>
+
+namespace fsdp {
+
+class UnitIteration {
+ public:
+  /// A new iteration: no calls, nothing reduced.
+  void reset();
+
+  /// Pre-forward: records a call and returns its index. `first` is set when it is the unit's
+  /// first call this iteration.
+  size_t begin_call(bool grad_enabled, bool* first);
+  /// The call's inputs were routed through RegisterPostBackward (its end can be seen).
+  void set_post_backward_visible(size_t call);
+  /// Post-forward of the latest call: whether its outputs need a gradient, and their node.
+  void end_call(bool outputs_need_grad, const c10::intrusive_ptr<torch::autograd::Node>& output_node);
+  /// The latest call's index (post-forward belongs to it: a unit's calls do not nest).
+  size_t latest_call() const { return calls_.size() - 1; }
+  bool ran_forward() const { return !calls_.empty(); }
+  /// Siblings: counts post-forwards; true after the last module of the unit ran.
+  bool last_module_ran(size_t modules);
+
+  /// Whether backward can reach this unit (a live call whose outputs need a gradient).
+  bool may_get_gradients() const;
+  /// Whether no call is left that backward could reach (every graph was freed, or none needs a
+  /// gradient).
+  bool all_calls_dead() const { return !may_get_gradients(); }
+
+  /// A backward pass starts: every call is waiting for it again, nothing reduced yet.
+  void begin_backward_pass();
+  /// The call's pre-backward ran (its outputs' gradients are being computed).
+  void call_pre_backward(size_t call);
+  /// The call's RegisterPostBackward ran.
+  void call_post_backward(size_t call);
+  /// Whether a call's backward is running (pre-backward ran, post-backward not yet).
+  bool backward_running() const;
+  /// Whether every live call that backward can reach has finished its backward this pass.
+  bool backward_complete() const;
+
+  /// This pass's reduction was issued (or skipped for a unit that cannot get gradients).
+  bool reduced() const { return reduced_; }
+  void set_reduced() { reduced_ = true; }
+
+ private:
+  struct Call {
+    bool grad_enabled = false;
+    bool post_backward_visible = false;
+    bool outputs_need_grad = false;
+    c10::weak_intrusive_ptr<torch::autograd::Node> output_node{c10::intrusive_ptr<torch::autograd::Node>()};
+    bool has_output_node = false;  // else the outputs are leaves: live while the unit is
+    bool running = false;  // pre-backward ran, post-backward not yet (this pass)
+    bool done = false;     // post-backward ran (this pass)
+  };
+  bool live(const Call& call) const;
+
+  std::vector<Call> calls_;
+  size_t post_forwards_ = 0;
+  bool reduced_ = false;
+};
+
+}  // namespace fsdp
