@@ -105,7 +105,15 @@ void pre_backward(FSDPState& unit, int64_t tag) {
               "' is in a backward through the graph of an earlier iteration (the root ran a new "
               "forward since); run every backward through a graph before the root's next forward");
   if (context.phase != IterationPhase::kBackward) begin_backward_pass(context);
+  TORCH_CHECK(!unit.iteration.reduced(), "fully_shard: unit '", unit.fqn(),
+              "' is reached by backward after its gradients were reduced in this backward pass; "
+              "the gradients it would get now would be lost. A unit's forward outputs must stay "
+              "in the autograd graph its backward goes through.");
+  const bool was_reachable = unit.iteration.may_get_gradients();
   unit.iteration.call_pre_backward(tag_call(tag));
+  if (!was_reachable) {  // its outputs' nodes looked freed, yet backward reached it
+    for (const auto& handle : unit.handles()) handle->prepare_gradients_for_backward();
+  }
   context.unshard(unit);
   for (const auto& handle : unit.handles()) handle->prepare_gradient_buffer();
   unit.set_training_state(TrainingState::kPreBackward);
@@ -156,17 +164,26 @@ void route_inputs_for_post_backward(FSDPState& unit, size_t call, contract::Forw
 
 std::vector<at::Tensor> hook_outputs_for_backward(FSDPState& unit, c10::IValue& output) {
   std::vector<at::Tensor> hooked;
-  c10::intrusive_ptr<torch::autograd::Node> node;
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> nodes;
   if (c10::GradMode::is_enabled() && unit.iteration.ran_forward()) {
     const int64_t tag = make_tag(unit.root_context()->generation, unit.iteration.latest_call());
+    auto hook = [u = &unit, tag](const at::TensorBase&) { pre_backward(*u, tag); };
+    auto hook_tensor = [&](const at::TensorBase& t) {
+      t.register_hook(hook);
+      if (t.grad_fn()) nodes.push_back(t.grad_fn());
+    };
     contract::for_each_tensor(output, [&](const at::Tensor& t) {
       if (!t.requires_grad()) return;
-      t.register_hook([u = &unit, tag](const at::TensorBase&) { pre_backward(*u, tag); });
-      if (!node) node = t.grad_fn();
+      hook_tensor(t);
       hooked.push_back(t);
+      // An output that is a view (`h.view(...)`, `transpose`) may be modified in place by the
+      // caller, which rewrites its autograd history: the hook above would never fire, and its
+      // node is freed. The hook on its base fires either way (the pre-backward runs once per
+      // call whichever fires first), and the base's node stays in the graph.
+      if (t.is_view() && t._base().requires_grad()) hook_tensor(t._base());
     });
   }
-  unit.iteration.end_call(!hooked.empty(), node);
+  unit.iteration.end_call(!hooked.empty(), nodes);
   return hooked;
 }
 

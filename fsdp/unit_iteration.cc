@@ -20,18 +20,21 @@ size_t UnitIteration::begin_call(bool grad_enabled, bool* first) {
 
 void UnitIteration::set_post_backward_visible(size_t call) { calls_.at(call).post_backward_visible = true; }
 
-void UnitIteration::end_call(bool outputs_need_grad, const c10::intrusive_ptr<torch::autograd::Node>& output_node) {
+void UnitIteration::end_call(bool outputs_need_grad,
+                             const std::vector<c10::intrusive_ptr<torch::autograd::Node>>& nodes) {
   if (calls_.empty()) return;
   Call& call = calls_.back();
   call.outputs_need_grad = outputs_need_grad && call.grad_enabled;
-  call.output_node = output_node;
-  call.has_output_node = output_node.defined();
+  call.nodes.clear();
+  for (const auto& node : nodes) call.nodes.emplace_back(node);
 }
 
 bool UnitIteration::last_module_ran(size_t modules) { return ++post_forwards_ % modules == 0; }
 
 bool UnitIteration::live(const Call& call) const {
-  return call.outputs_need_grad && (!call.has_output_node || !call.output_node.expired());
+  if (!call.outputs_need_grad) return false;
+  if (call.reached || call.nodes.empty()) return true;
+  return std::any_of(call.nodes.begin(), call.nodes.end(), [](const auto& n) { return !n.expired(); });
 }
 
 bool UnitIteration::may_get_gradients() const {
@@ -39,12 +42,14 @@ bool UnitIteration::may_get_gradients() const {
 }
 
 void UnitIteration::begin_backward_pass() {
-  for (auto& c : calls_) c.running = c.done = false;
+  for (auto& c : calls_) c.running = c.done = c.reached = false;
   reduced_ = false;
 }
 
 void UnitIteration::call_pre_backward(size_t call) {
-  if (call < calls_.size() && !calls_[call].done) calls_[call].running = true;
+  if (call >= calls_.size()) return;
+  calls_[call].reached = true;
+  if (!calls_[call].done) calls_[call].running = true;
 }
 
 void UnitIteration::call_post_backward(size_t call) {

@@ -30,8 +30,9 @@ class UnitIteration {
   size_t begin_call(bool grad_enabled, bool* first);
   /// The call's inputs were routed through RegisterPostBackward (its end can be seen).
   void set_post_backward_visible(size_t call);
-  /// Post-forward of the latest call: whether its outputs need a gradient, and their node.
-  void end_call(bool outputs_need_grad, const c10::intrusive_ptr<torch::autograd::Node>& output_node);
+  /// Post-forward of the latest call: whether its outputs need a gradient, and their autograd
+  /// nodes (the call is live while one of them is).
+  void end_call(bool outputs_need_grad, const std::vector<c10::intrusive_ptr<torch::autograd::Node>>& nodes);
   /// The latest call's index (post-forward belongs to it: a unit's calls do not nest).
   size_t latest_call() const { return calls_.size() - 1; }
   bool ran_forward() const { return !calls_.empty(); }
@@ -46,7 +47,7 @@ class UnitIteration {
 
   /// A backward pass starts: every call is waiting for it again, nothing reduced yet.
   void begin_backward_pass();
-  /// The call's pre-backward ran (its outputs' gradients are being computed).
+  /// The call's pre-backward ran (its outputs' gradients are being computed): it is live.
   void call_pre_backward(size_t call);
   /// The call's RegisterPostBackward ran.
   void call_post_backward(size_t call);
@@ -64,8 +65,9 @@ class UnitIteration {
     bool grad_enabled = false;
     bool post_backward_visible = false;
     bool outputs_need_grad = false;
-    c10::weak_intrusive_ptr<torch::autograd::Node> output_node{c10::intrusive_ptr<torch::autograd::Node>()};
-    bool has_output_node = false;  // else the outputs are leaves: live while the unit is
+    // The outputs' nodes (none: the outputs are leaves, live while the unit is).
+    std::vector<c10::weak_intrusive_ptr<torch::autograd::Node>> nodes;
+    bool reached = false;  // a pre-backward of this call ran this pass: live whatever the nodes
     bool running = false;  // pre-backward ran, post-backward not yet (this pass)
     bool done = false;     // post-backward ran (this pass)
   };

@@ -11,6 +11,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -68,6 +69,31 @@ struct ChainImpl : torch::nn::Module {
 };
 FSDP_HOOKABLE_MODULE(Chain);
 
+// Units returning a view of their output, which the caller modifies in place:
+// x -> tanh(u_i(x)) where u_i(x) = fc(x).t() and the caller does `.mul_(2)` on that view.
+struct ViewOutImpl : torch::nn::Module {
+  explicit ViewOutImpl(int64_t dim) { fc = register_module("fc", fsdp::contract::Linear(dim, dim)); }
+  torch::Tensor forward(torch::Tensor x) { return fc(x).t(); }
+  fsdp::contract::Linear fc{nullptr};
+};
+FSDP_HOOKABLE_MODULE(ViewOut);
+
+struct ViewChainImpl : torch::nn::Module {
+  ViewChainImpl(int64_t dim, int64_t depth) {
+    for (int64_t i = 0; i < depth; ++i) layers.push_back(register_module("u" + std::to_string(i), ViewOut(dim)));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& layer : layers) {
+      at::Tensor v = layer(x);
+      v.mul_(2);  // in place on the unit's output view
+      x = x + torch::tanh(v.t());
+    }
+    return x;
+  }
+  std::vector<ViewOut> layers;
+};
+FSDP_HOOKABLE_MODULE(ViewChain);
+
 constexpr int64_t kDim = 8;
 constexpr int64_t kDepth = 6;
 
@@ -76,11 +102,13 @@ at::Tensor batch(int64_t it, int q, int salt) {
   return at::randn({3, kDim}, gen);
 }
 
-at::Tensor loss_of(Chain& m, int64_t it, int q, int salt = 1) {
+template <typename Model>
+at::Tensor loss_of(Model& m, int64_t it, int q, int salt = 1) {
   return torch::nn::functional::mse_loss(m(batch(it, q, salt)), batch(it, q, salt + 50));
 }
 
-std::vector<fsdp::FSDPModule> shard_chain(Chain& model, fsdp::FullyShardOptions o) {
+template <typename Model>
+std::vector<fsdp::FSDPModule> shard_chain(Model& model, fsdp::FullyShardOptions o) {
   o.communicator(std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU));
   std::vector<fsdp::FSDPModule> units;
   for (auto& layer : model->layers) units.push_back(fsdp::fully_shard(layer, o));
@@ -91,7 +119,8 @@ std::vector<fsdp::FSDPModule> shard_chain(Chain& model, fsdp::FullyShardOptions 
 // One training step's forwards and backwards on `model`, for rank q's data, the losses scaled by
 // `scale` (1 on the sharded model, 1/W on the reference, which runs every rank's step). Returns
 // the loss to compare.
-using Step = std::function<at::Tensor(Chain& model, int64_t it, int q, double scale, bool sharded)>;
+template <typename Model = Chain>
+using Step = std::function<at::Tensor(Model& model, int64_t it, int q, double scale, bool sharded)>;
 
 struct PatternOptions {
   int iterations = 4;
@@ -101,13 +130,15 @@ struct PatternOptions {
   std::string error;  // what the failure's message must contain
 };
 
-void check_parity(const std::string& name, const Step& step, const PatternOptions& o = {}) {
+template <typename Model = Chain>
+void check_parity(const std::string& name, const std::type_identity_t<Step<Model>>& step,
+                  const PatternOptions& o = {}) {
   const int W = world_size();
   INFO(name << " on " << W << " ranks");
   torch::manual_seed(77);
-  Chain model(kDim, kDepth);
+  Model model(kDim, kDepth);
   torch::manual_seed(77);
-  Chain reference(kDim, kDepth);
+  Model reference(kDim, kDepth);
   auto units = shard_chain(model, o.shard);
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -145,7 +176,8 @@ void check_parity(const std::string& name, const Step& step, const PatternOption
   for (auto& u : units) u.reshard();
 }
 
-at::Tensor plain_step(Chain& m, int64_t it, int q, double scale, bool) {
+template <typename Model = Chain>
+at::Tensor plain_step(Model& m, int64_t it, int q, double scale, bool) {
   at::Tensor loss = loss_of(m, it, q);
   (loss * scale).backward();
   return loss.detach();
@@ -219,6 +251,14 @@ FSDP_RANKS_TEST_CASE("a backward that throws leaves no partial gradients", "[pat
     m->throw_in_backward = sharded && it == 1 ? 3 : -1;
     return plain_step(m, it, q, scale, sharded);
   }, o);
+}
+
+FSDP_RANKS_TEST_CASE("a unit's output view modified in place by the caller", "[patterns][views]") {
+  for (auto strategy : {fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp}) {
+    PatternOptions o;
+    o.shard.strategy(strategy);
+    check_parity<ViewChain>("in-place on output views", &plain_step<ViewChain>, o);
+  }
 }
 
 FSDP_RANKS_TEST_CASE("a double backward (create_graph) is refused on every rank, the model stays usable", "[patterns][errors]") {

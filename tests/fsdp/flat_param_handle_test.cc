@@ -59,8 +59,10 @@ TEST_CASE("sharded parameters are 1-D views of this rank's slice; unshard restor
       for (size_t i = 0; i < params.size(); ++i) {
         const auto s = handle.layout().slice_of(static_cast<int>(i), r);
         const at::Tensor& p = params[i].param;
-        f.check(p.dim() == 1 && p.numel() == s.size(), "sharded shape " + params[i].fqn, r, W);
-        f.check(p.equal(full[i].reshape({-1}).narrow(0, s.param_begin, s.size())),
+        // One rank holds the whole FlatParameter: parameters keep their full shapes.
+        f.check(W == 1 ? p.sizes() == full[i].sizes() : p.dim() == 1 && p.numel() == s.size(),
+                "sharded shape " + params[i].fqn, r, W);
+        f.check(p.reshape({-1}).equal(full[i].reshape({-1}).narrow(0, s.param_begin, s.size())),
                 "sharded values " + params[i].fqn, r, W);
         f.check(p.is_leaf() && p.requires_grad(), "still a leaf requiring grad", r, W);
       }
@@ -70,11 +72,12 @@ TEST_CASE("sharded parameters are 1-D views of this rank's slice; unshard restor
         f.check(params[i].param.equal(full[i]), "unsharded values " + params[i].fqn, r, W);
         f.check(params[i].param.unsafeGetTensorImpl() == identity[i], "same tensor object", r, W);
       }
-      f.check(handle.unsharded_bytes() == static_cast<size_t>(handle.layout().padded_numel * 4),
+      // One rank needs no unsharded copy: the parameters are views of the shard itself.
+      f.check(handle.unsharded_bytes() == (W == 1 ? 0 : static_cast<size_t>(handle.layout().padded_numel * 4)),
               "unsharded buffer allocated", r, W);
       handle.reshard();
       f.check(handle.unsharded_bytes() == 0, "unsharded storage freed by reshard", r, W);
-      f.check(params[0].param.dim() == 1, "resharded view", r, W);
+      f.check(params[0].param.dim() == (W == 1 ? 2 : 1), "resharded view", r, W);
     });
     INFO("world size " << W);
     require_none(f);
@@ -101,6 +104,7 @@ TEST_CASE("gradients are reduce-scattered, averaged, and accumulated across back
         handle.reshard();
         handle.reduce_gradients();
         handle.finalize_gradients();
+        handle.commit_gradients();  // the end of the backward pass
         for (size_t i = 0; i < params.size(); ++i) {
           const at::Tensor& g = params[i].param.grad();
           const double expected = pass * (W + 1) / 2.0 * (i + 1);
@@ -117,6 +121,7 @@ TEST_CASE("gradients are reduce-scattered, averaged, and accumulated across back
       handle.reshard();
       handle.reduce_gradients();
       handle.finalize_gradients();
+      handle.commit_gradients();
       f.check(params[1].param.grad().numel() == 0 || params[1].param.grad().eq(1).all().item<bool>(),
               "zeroed then one backward", r, W);
     });
@@ -137,6 +142,7 @@ TEST_CASE("a parameter that got no gradient contributes zeros", "[fsdp][handle]"
     handle.reshard();
     handle.reduce_gradients();
     handle.finalize_gradients();
+    handle.commit_gradients();
     const at::Tensor& g = params[2].param.grad();
     f.check(g.numel() == 0 || g.eq(1.0).all().item<bool>(), "3 / 3 ranks", comm.rank(), 3);
     const at::Tensor& g0 = params[0].param.grad();
@@ -188,6 +194,7 @@ TEST_CASE("gradients replaced while sharded are written back before the next bac
     handle.reshard();
     handle.reduce_gradients();
     handle.finalize_gradients();
+    handle.commit_gradients();
     const at::Tensor& g1 = params[1].param.grad();
     f.check(g1.numel() == 0 || g1.eq(6.0).all().item<bool>(), "5 written back, plus 1", comm.rank(), 2);
     const at::Tensor& g0 = params[0].param.grad();
@@ -204,4 +211,55 @@ TEST_CASE("gradients replaced while sharded are written back before the next bac
     }
   });
   require_none(f);
+}
+
+TEST_CASE("gradients accumulate in place into the flat buffer; a failed pass restores the earlier ones",
+          "[fsdp][handle]") {
+  for (int W = 1; W <= 4; ++W) {
+    Failures f;
+    fsdp::testing::run_ranks_as_threads(W, [&](fsdp::comm::Communicator& comm) {
+      auto shared = std::shared_ptr<fsdp::comm::Communicator>(&comm, [](auto*) {});
+      auto params = make_params();
+      FlatParamHandle handle(params, shared, "unit");
+      const int r = comm.rank();
+      auto backward = [&](double scale) {  // what AccumulateGrad does: add into a defined .grad
+        handle.unshard();
+        handle.prepare_gradients_for_backward();
+        handle.prepare_gradient_buffer();
+        for (size_t i = 0; i < params.size(); ++i) {
+          at::Tensor& g = params[i].param.mutable_grad();
+          f.check(g.defined() && g.sizes() == params[i].param.sizes() && g.eq(0).all().item<bool>(),
+                  "zeroed full-shape buffer view " + params[i].fqn, r, W);
+          f.check(handle.gradient_buffer_bytes() == static_cast<size_t>(handle.layout().padded_numel * 4),
+                  "one flat buffer", r, W);
+          g.add_(at::full(params[i].param.sizes(), scale * (r + 1) * (i + 1.0)));
+          g.add_(at::full(params[i].param.sizes(), scale * (r + 1) * (i + 1.0)));  // called twice
+        }
+        handle.reshard();
+        handle.reduce_gradients();
+      };
+      backward(1.0);
+      handle.finalize_gradients();
+      handle.commit_gradients();
+      f.check(handle.gradient_buffer_bytes() == 0, "buffers freed after the pass", r, W);
+      auto values_are = [&](double factor, const std::string& what) {
+        for (size_t i = 0; i < params.size(); ++i) {
+          const at::Tensor& g = params[i].param.grad();
+          f.check(g.defined() && (g.numel() == 0 || g.eq(factor * (W + 1) / 2.0 * (i + 1)).all().item<bool>()),
+                  what + " " + params[i].fqn, r, W);
+        }
+      };
+      values_are(2.0, "averaged, in place");
+      backward(10.0);  // fails before the end of its pass (reduction issued, not finalized)
+      handle.discard_gradients();
+      f.check(handle.gradient_buffer_bytes() == 0, "buffers freed after a failed pass", r, W);
+      values_are(2.0, "restored after the failed pass");
+      backward(1.0);  // the next pass accumulates onto the restored gradients only
+      handle.finalize_gradients();
+      handle.commit_gradients();
+      values_are(4.0, "accumulated without the failed pass");
+    });
+    INFO("world size " << W);
+    require_none(f);
+  }
 }

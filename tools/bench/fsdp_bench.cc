@@ -437,7 +437,8 @@ void bench_memory(JsonWriter& w, const std::string& model, bool fsdp, const Flag
   int64_t transient = 0, unsharded = 0, step_peak = 0, fb_peak = 0, step_start = 0;
   int64_t unsharded_at_peak = 0, fresh_at_peak = 0;
   int64_t lib_shards = 0, lib_grads = 0, max_in_flight = 0, absolute_peak = 0;
-  std::vector<int64_t> step_peaks, fb_peaks, fwd_peaks;
+  std::vector<int64_t> step_peaks, fb_peaks, fwd_peaks, step_starts, step_ends;
+  std::vector<int64_t> unsharded_at_ends;
   alloc.mark();
   const int64_t older = alloc.current();  // live bytes of allocations made before the mark
   JsonWriter handles_json;
@@ -482,6 +483,7 @@ void bench_memory(JsonWriter& w, const std::string& model, bool fsdp, const Flag
       const bool last = k + 1 == kMemoryMeasuredSteps;
       const int64_t before = alloc.current_since_mark();
       step_start = std::max(step_start, before);
+      step_starts.push_back(before);
       alloc.reset_peak();
       step(
           i, [&] { fwd_peaks.push_back(alloc.peak_since_mark()); },
@@ -519,7 +521,9 @@ void bench_memory(JsonWriter& w, const std::string& model, bool fsdp, const Flag
         unsharded_at_peak = alloc.watched_at_peak();
         fresh_at_peak = alloc.fresh_at_peak();
       }
-      if (last) after_zero_grad = alloc.current_since_mark();
+      step_ends.push_back(alloc.current_since_mark());
+      unsharded_at_ends.push_back(alloc.watched_current());
+      if (last) after_zero_grad = step_ends.back();
     }
     alloc.watch({});
     if (fsdp) write_handles(handles_json, tr->units);
@@ -537,6 +541,9 @@ void bench_memory(JsonWriter& w, const std::string& model, bool fsdp, const Flag
   w.member("step_peak_allocated_during_step", fresh_at_peak);
   w.member("step_peak_held_from_before_step", step_peak - fresh_at_peak);
   w.key("step_peaks").array(step_peaks);
+  // Live bytes right before each measured step's forward, and after its zero_grad.
+  w.key("step_starts").array(step_starts);
+  w.key("step_ends").array(step_ends);
   // Allocations older than the mark: live when the model began to be built, and still live at
   // the end of the run; and the allocator's own peak (all live bytes) over the measured steps.
   w.member("older_live_bytes_at_start", older);
@@ -545,6 +552,7 @@ void bench_memory(JsonWriter& w, const std::string& model, bool fsdp, const Flag
   w.member("warmup_steps", kMemoryWarmupSteps).member("measured_steps", kMemoryMeasuredSteps);
   if (fsdp) {
     w.member("unsharded_at_step_peak", unsharded_at_peak);
+    w.key("unsharded_at_step_ends").array(unsharded_at_ends);
     w.member("library_local_shard_bytes", lib_shards).member("library_sharded_grad_bytes", lib_grads);
     w.member("max_unshards_in_flight", max_in_flight);
     w.key("handles").raw(handles_json.str());

@@ -25,8 +25,8 @@ Definitions (every time is a median over the steps after warm-up):
   ZeRO-3 expectation per rank: sharded state + unsharded params + unsharded grads + activations:
     sharded state    parameters + gradients + AdamW's 2 moments of this rank's shards, from the
                      handles' layouts (shard_numel x element size; equal to the local_shard bytes).
-    unsharded params max_unshards_in_flight (the root's setting, 2) x the largest unit's padded
-                     unsharded FlatParameters (padded_numel x all-gather element size).
+    unsharded params max_unshards_in_flight (read from the root unit; default 2) x the largest unit's
+                     padded unsharded FlatParameters (padded_numel x all-gather element size).
     unsharded grads  2 (units being reduced) x the largest unit's padded unsharded gradient
                      (padded_numel x reduce element size).
     activations      the local run's step peak - its parameters + gradients + optimizer state
@@ -57,8 +57,8 @@ OVERHEAD_RATIO_TARGET = 5.0   # ours at most 1/5 of FSDP2's per unit per step (1
 STEP_TIME_TARGET = 0.05       # within 5% of local training (compute-bound model, W=1)
 MEMORY_TARGET = 0.10          # within 10% of the formula
 LOSS_TOLERANCE = 1e-5         # first losses, this project vs PyTorch
-IN_FLIGHT_LIMIT = 2             # the all-gather check's in-flight limit (the runtime's default)
-REDUCE_IN_FLIGHT = 2            # ZeRO-3 expectation: unsharded gradients of 2 units being reduced
+IN_FLIGHT_LIMIT = 2           # the all-gather check's in-flight limit (the runtime's default)
+REDUCE_IN_FLIGHT = 2          # ZeRO-3 expectation: unsharded gradients of 2 units being reduced
 
 MODEL_TITLES = {"tiny": "100 x Linear(8,8) units (overhead-bound)",
                 "gpt": "GPT (compute-bound)"}
@@ -579,7 +579,7 @@ def main():
             worst = max(per_rank, key=lambda pr: max(abs(c["ratio"] - 1) for c in pr["components"].values()))
             dev = {k: c["ratio"] - 1 for k, c in worst["components"].items()}
             key = max(dev, key=lambda k: abs(dev[k]))
-            target(f"memory within 10% of the formula ({model}, {w})",
+            target(f"steady-state memory and all-gather buffers within 10% of the formula ({model}, {w})",
                    all(abs(x) <= MEMORY_TARGET for x in dev.values()),
                    f"total {100 * dev['total']:+.1f}%, worst component {key} {100 * dev[key]:+.1f}% "
                    f"(rank {worst['rank']})")
