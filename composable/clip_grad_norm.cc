@@ -23,12 +23,17 @@ double clip_grad_norm_(const FSDPModule& root, double max_norm, double norm_type
   std::vector<at::Tensor> grads;
   for (FSDPState* unit : units) {
     for (const auto& handle : unit->handles()) {
-      const at::Tensor& g = handle->sharded_grad();
-      if (!handle->requires_grad() || !g.defined()) continue;
-      grads.push_back(g);
-      const double part = inf ? g.abs().max().item<double>() : g.abs().pow(norm_type).sum().item<double>();
-      double& into = handle->is_sharded_strategy() ? sharded : replicated;
-      into = inf ? std::max(into, part) : into + part;
+      if (!handle->requires_grad()) continue;
+      // Each parameter's `.grad` is its slice of this rank's shard (its whole gradient when the
+      // handle does not shard).
+      for (const auto& p : handle->params()) {
+        const at::Tensor& g = p.param.grad();
+        if (!g.defined() || g.numel() == 0) continue;
+        grads.push_back(g);
+        const double part = inf ? g.abs().max().item<double>() : g.abs().pow(norm_type).sum().item<double>();
+        double& into = handle->is_sharded_strategy() ? sharded : replicated;
+        into = inf ? std::max(into, part) : into + part;
+      }
     }
   }
   const auto& comm = root.state().config().comm;
@@ -39,7 +44,7 @@ double clip_grad_norm_(const FSDPModule& root, double max_norm, double norm_type
   const double coefficient = max_norm / (norm + 1e-6);
   if (coefficient < 1.0) {
     c10::NoGradGuard no_grad;
-    for (auto& g : grads) g.mul_(coefficient);  // the parameters' .grad are views of these
+    for (auto& g : grads) g.mul_(coefficient);  // the parameters' .grad themselves
   }
   return norm;
 }

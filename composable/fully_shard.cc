@@ -11,6 +11,7 @@
 #include "contract/forward_hooks.h"
 #include "contract/module_fqn.h"
 #include "fsdp/runtime.h"
+#include "fsdp/sharded_use_guard.h"
 #include "fsdp/tied_parameters.h"
 #include "fsdp/unit_tree.h"
 
@@ -66,6 +67,7 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
                   registry.describe(*modules[i]), " is inside ", registry.describe(*modules[j]));
     }
   }
+  check_modules_can_run_hooks(modules);  // [Note: refused modules] in fsdp/sharded_use_guard.h
   TORCH_CHECK(!(options.mesh() && options.communicator()), "fully_shard: give either a "
               "communicator or a mesh (hybrid sharding), not both");
   std::shared_ptr<comm::Communicator> comm =
@@ -149,12 +151,20 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
         state = std::make_shared<FSDPState>(modules, fqn, config, FSDPState::make_handles(params, config, fqn));
       }
       FSDPState* raw = state.get();  // owned by the registry for the modules' lifetime
+      // The guard calls: [Note: first-iteration gradient guard] and [Note: forward errors] in
+      // fsdp/sharded_use_guard.h.
       contract::register_forward_pre_hook(
-          m, [raw](torch::nn::Module&, contract::ForwardArgs& args) { runtime::pre_forward(*raw, args); });
+          m, [raw](torch::nn::Module&, contract::ForwardArgs& args) {
+            runtime::pre_forward(*raw, args);
+            guard_after_pre_forward(*raw);
+          });
       contract::register_forward_hook(
           m, [raw](torch::nn::Module&, const contract::ForwardArgs&, c10::IValue& output) {
             runtime::post_forward(*raw, output);
+            guard_after_post_forward(*raw, output);
           });
+      contract::register_forward_exception_hook(
+          m, [raw](torch::nn::Module&, c10::Error& error) { explain_forward_error(*raw, error); });
       return state;
     });
   }

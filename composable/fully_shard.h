@@ -21,6 +21,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include <torch/arg.h>
@@ -28,6 +29,7 @@
 
 #include "comm/communicator.h"
 #include "comm/device_mesh.h"
+#include "contract/forward_hooks.h"
 #include "fsdp/fsdp_state.h"
 
 namespace fsdp {
@@ -155,9 +157,24 @@ FSDPModule fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
 FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules,
                        const FullyShardOptions& options = {});
 
-template <typename Contained>
-FSDPModule fully_shard(const torch::nn::ModuleHolder<Contained>& module,
-                       const FullyShardOptions& options = {}) {
+/// Makes the module of a hook-able holder a unit (see fully_shard(torch::nn::Module&)). Holders
+/// that cannot run forward hooks (LibTorch's: TORCH_MODULE, torch::nn::Linear,
+/// torch::nn::Sequential, ...) are refused at compile time: their call operator calls forward
+/// directly, so the unit's pre-forward would never run.
+///
+///   fsdp::fully_shard(model->block(0), opts);   // a holder declared with FSDP_HOOKABLE_MODULE
+template <typename Holder>
+  requires std::is_base_of_v<torch::detail::ModuleHolderIndicator, Holder>
+FSDPModule fully_shard(const Holder& module, const FullyShardOptions& options = {}) {
+  static_assert(contract::HookableHolder<Holder>,
+                "fully_shard: expected a hook-able module holder, got one that cannot run forward "
+                "hooks (LibTorch's holders, e.g. TORCH_MODULE's, torch::nn::Linear or "
+                "torch::nn::Sequential, call forward directly), so the unit would never unshard "
+                "its parameters. Declare the module class with FSDP_HOOKABLE_MODULE(Name) instead "
+                "of TORCH_MODULE(Name), use fsdp::contract::Linear, Embedding, LayerNorm, ... for "
+                "LibTorch's modules and fsdp::contract::Sequential instead of "
+                "torch::nn::Sequential (contract/hookable_modules.h). A container without forward "
+                "(ModuleList, ModuleDict) cannot be a unit: shard the modules it holds.");
   return fully_shard(*module.ptr(), options);
 }
 

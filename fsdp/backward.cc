@@ -105,10 +105,20 @@ void pre_backward(FSDPState& unit, int64_t tag) {
               "' is in a backward through the graph of an earlier iteration (the root ran a new "
               "forward since); run every backward through a graph before the root's next forward");
   if (context.phase != IterationPhase::kBackward) begin_backward_pass(context);
-  TORCH_CHECK(!unit.iteration.reduced(), "fully_shard: unit '", unit.fqn(),
+  TORCH_CHECK(!unit.iteration.reduced() || !has_trainable_handle(unit), "fully_shard: unit '", unit.fqn(),
               "' is reached by backward after its gradients were reduced in this backward pass; "
               "the gradients it would get now would be lost. A unit's forward outputs must stay "
               "in the autograd graph its backward goes through.");
+  // The previous unit's reduction, if it has completed, frees its buffers before this unit's
+  // gradients and parameters are allocated (otherwise the next reduction's issue waits for it).
+  if (FSDPState* previous = context.awaiting_finalize) {
+    bool completed = true;
+    for (const auto& handle : previous->handles()) completed &= handle->reduction_completed();
+    if (completed) {
+      finalize(*previous);
+      context.awaiting_finalize = nullptr;
+    }
+  }
   const bool was_reachable = unit.iteration.may_get_gradients();
   unit.iteration.call_pre_backward(tag_call(tag));
   if (!was_reachable) {  // its outputs' nodes looked freed, yet backward reached it
@@ -185,6 +195,63 @@ std::vector<at::Tensor> hook_outputs_for_backward(FSDPState& unit, c10::IValue& 
   }
   unit.iteration.end_call(!hooked.empty(), nodes);
   return hooked;
+}
+
+namespace {
+
+// [Note: passthrough backward] With nothing to gather or reduce (one rank), autograd writes the
+// parameters' `.grad` as in local training. Only the root's outputs are hooked: the first
+// pre-backward of a pass sets aside the gradients the parameters hold, the end-of-backward
+// callback adds them back, and a pass that threw is undone by the next root forward (the
+// parameters get back what they held before it).
+void end_of_passthrough_backward(RootContext& context) {
+  for (auto& [param, saved] : context.passthrough_saved_grads) {
+    if (!saved.defined()) continue;
+    at::Tensor& grad = param.mutable_grad();
+    if (grad.defined()) {
+      c10::NoGradGuard no_grad;
+      grad.add_(saved);
+    } else {
+      grad = saved;
+    }
+  }
+  context.passthrough_saved_grads.clear();
+  context.phase = IterationPhase::kIdle;
+  ++context.iterations;
+}
+
+void passthrough_pre_backward(RootContext& context) {
+  if (context.phase == IterationPhase::kBackward) return;
+  context.phase = IterationPhase::kBackward;
+  torch::autograd::Engine::get_default_engine().queue_callback(
+      [c = &context] { end_of_passthrough_backward(*c); });
+  context.passthrough_saved_grads.clear();
+  for (FSDPState* unit : context.states) {
+    for (const auto& handle : unit->handles()) {
+      if (!handle->requires_grad()) continue;
+      for (const auto& p : handle->params()) {
+        at::Tensor param = p.param;
+        context.passthrough_saved_grads.emplace_back(param, param.grad());
+        param.mutable_grad() = at::Tensor();
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void hook_root_outputs_passthrough(RootContext& context, const c10::IValue& output) {
+  if (!c10::GradMode::is_enabled()) return;
+  contract::for_each_tensor(output, [&](const at::Tensor& t) {
+    if (t.requires_grad()) t.register_hook([c = &context](const at::TensorBase&) { passthrough_pre_backward(*c); });
+  });
+}
+
+void discard_passthrough_backward(RootContext& context) {
+  if (context.phase != IterationPhase::kBackward) return;
+  for (auto& [param, saved] : context.passthrough_saved_grads) param.mutable_grad() = saved;
+  context.passthrough_saved_grads.clear();
+  context.phase = IterationPhase::kIdle;
 }
 
 void discard_iteration(RootContext& context) {

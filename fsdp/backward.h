@@ -44,5 +44,11 @@ std::vector<at::Tensor> hook_outputs_for_backward(FSDPState& unit, c10::IValue& 
 /// returns the context to kIdle.
 void discard_iteration(RootContext& context);
 
+/// One rank, nothing to gather or reduce ([Note: passthrough backward] in backward.cc): hooks the
+/// root's outputs so a backward pass can be undone if it throws.
+void hook_root_outputs_passthrough(RootContext& context, const c10::IValue& output);
+/// Undoes a passthrough backward pass that threw: the parameters get back the gradients they held.
+void discard_passthrough_backward(RootContext& context);
+
 }  // namespace runtime
 }  // namespace fsdp

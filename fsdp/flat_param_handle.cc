@@ -107,16 +107,16 @@ FlatParamHandle::FlatParamHandle(std::vector<OrigParam> params,
   bool any_grad = false;
   for (const auto& g : full_grads) any_grad |= g.defined();
   if (any_grad && requires_grad_) {
-    sharded_grad_ = at::zeros({layout_.shard_numel()}, local_shard_.options());
+    at::Tensor sharded_grad = at::zeros({layout_.shard_numel()}, local_shard_.options());
     c10::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) {
       const auto& s = slices_[i];
       if (full_grads[i].defined() && s.size() > 0) {
-        sharded_grad_.narrow(0, s.shard_offset, s.size())
+        sharded_grad.narrow(0, s.shard_offset, s.size())
             .copy_(full_grads[i].reshape({-1}).narrow(0, s.param_begin, s.size()));
       }
     }
-    set_sharded_grad_views();
+    set_sharded_grad_views(sharded_grad);
   }
 }
 
@@ -244,8 +244,48 @@ at::Tensor FlatParamHandle::gather_full_precision() const {
 
 size_t FlatParamHandle::unsharded_bytes() const { return storage_nbytes(padded_unsharded_); }
 
+at::Tensor FlatParamHandle::sharded_grad() const {
+  // The parameters' `.grad` are the truth (the handle keeps no reference, so zero_grad with
+  // set_to_none frees the gradient): they are the sharded gradient when they are all views of
+  // one flat storage at their places.
+  const c10::StorageImpl* storage = nullptr;
+  int64_t base_offset = 0;
+  at::Tensor any;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& g = params_[i].param.grad();
+    if (!g.defined()) return {};
+    if (g.numel() == 0) continue;
+    if (!g.is_contiguous() || g.sizes() != at::IntArrayRef(sharded_shape(i))) return {};
+    const int64_t offset = g.storage_offset() - slices_[i].shard_offset;
+    if (storage == nullptr) {
+      storage = g.storage().unsafeGetStorageImpl();
+      base_offset = offset;
+      any = g;
+    } else if (g.storage().unsafeGetStorageImpl() != storage || offset != base_offset) {
+      return {};
+    }
+  }
+  if (storage == nullptr) return {};  // this rank holds no element of any parameter
+  if (static_cast<int64_t>(any.storage().nbytes()) <
+      (base_offset + layout_.shard_numel()) * static_cast<int64_t>(any.element_size())) {
+    return {};
+  }
+  at::Tensor flat = at::empty({0}, any.options());
+  flat.set_(any.storage(), base_offset, {layout_.shard_numel()}, {1});
+  return flat;
+}
+
 size_t FlatParamHandle::sharded_grad_bytes() const {
-  return sharded_grad_.defined() ? sharded_grad_.nbytes() : 0;
+  const at::Tensor g = sharded_grad();
+  if (g.defined()) return g.nbytes();
+  size_t bytes = 0;  // gradients autograd wrote directly (passthrough), or replaced by the user
+  for (const auto& p : params_) bytes += p.param.grad().defined() ? p.param.grad().nbytes() : 0;
+  return bytes;
+}
+
+bool FlatParamHandle::passthrough() const {
+  return !shard_ && comm_->size() == 1 && !needs_unsharded_buffer() &&
+         !(options_.replicate && options_.replicate->size() > 1);
 }
 
 size_t FlatParamHandle::accumulated_grad_bytes() const {
@@ -255,22 +295,10 @@ size_t FlatParamHandle::accumulated_grad_bytes() const {
 void FlatParamHandle::prepare_gradients_for_backward() {
   if (grads_prepared_ || !requires_grad_) return;
   grads_prepared_ = true;
-  bool all_ours = true;
   bool any = false;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const at::Tensor& g = params_[i].param.grad();
-    if (!g.defined()) {
-      all_ours = false;
-      continue;
-    }
-    any = true;
-    all_ours &= sharded_grad_.defined() &&
-                is_view_at(g, sharded_grad_, slices_[i].shard_offset, sharded_shape(i));
-  }
-  at::Tensor held;
-  if (any && all_ours) {
-    held = sharded_grad_;
-  } else if (any) {
+  for (const auto& p : params_) any |= p.param.grad().defined();
+  at::Tensor held = any ? sharded_grad() : at::Tensor();
+  if (any && !held.defined()) {
     // Some gradients are missing (zeros) or were replaced by the user (written back).
     held = at::zeros({layout_.shard_numel()}, local_shard_.options());
     c10::NoGradGuard no_grad;
@@ -287,7 +315,7 @@ void FlatParamHandle::prepare_gradients_for_backward() {
   }
   saved_grad_ = held;
   for (auto& p : params_) p.param.mutable_grad() = at::Tensor();
-  sharded_grad_ = at::Tensor();
+  finalized_in_pass_ = false;
 }
 
 void FlatParamHandle::prepare_gradient_buffer() {
@@ -415,17 +443,17 @@ void FlatParamHandle::finalize_gradients() {
   // The gradient set aside before backward is kept until the backward pass is committed, so that
   // a failed pass can restore it.
   if (saved_grad_.defined()) grad.add_(saved_grad_);
-  sharded_grad_ = grad;
-  set_sharded_grad_views();
+  set_sharded_grad_views(grad);
+  finalized_in_pass_ = true;
 }
 
 void FlatParamHandle::commit_gradients() {
-  if (!sharded_grad_.defined() && saved_grad_.defined()) {
+  if (!finalized_in_pass_ && saved_grad_.defined()) {
     // No synchronised reduction this pass (accumulating without sync): the set-aside gradient
     // is this handle's gradient again.
-    sharded_grad_ = saved_grad_;
-    set_sharded_grad_views();
+    set_sharded_grad_views(saved_grad_);
   }
+  finalized_in_pass_ = false;
   saved_grad_ = at::Tensor();
   grads_prepared_ = false;
   accumulated_in_pass_ = false;
@@ -446,14 +474,14 @@ void FlatParamHandle::discard_gradients() {
   accumulated_in_pass_ = false;
   if (!grads_prepared_) return;
   // Back to the gradients held before the failed backward pass.
-  sharded_grad_ = saved_grad_;
-  saved_grad_ = at::Tensor();
-  grads_prepared_ = false;
-  if (sharded_grad_.defined()) {
-    set_sharded_grad_views();
+  if (saved_grad_.defined()) {
+    set_sharded_grad_views(saved_grad_);
   } else {
     for (auto& p : params_) p.param.mutable_grad() = at::Tensor();
   }
+  saved_grad_ = at::Tensor();
+  grads_prepared_ = false;
+  finalized_in_pass_ = false;
 }
 
 size_t FlatParamHandle::gradient_buffer_bytes() const {
@@ -463,9 +491,9 @@ size_t FlatParamHandle::gradient_buffer_bytes() const {
   return bytes;
 }
 
-void FlatParamHandle::set_sharded_grad_views() {
+void FlatParamHandle::set_sharded_grad_views(const at::Tensor& grad) {
   for (size_t i = 0; i < params_.size(); ++i) {
-    params_[i].param.mutable_grad() = storage_slice(sharded_grad_, slices_[i].shard_offset, sharded_shape(i));
+    params_[i].param.mutable_grad() = storage_slice(grad, slices_[i].shard_offset, sharded_shape(i));
   }
 }
 

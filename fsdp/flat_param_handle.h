@@ -89,6 +89,10 @@ class FlatParamHandle {
   /// Makes the original parameters views of the local shard and frees the unsharded buffer.
   void reshard();
   bool is_unsharded() const { return unsharded_; }
+  /// Whether nothing is to be done around forward and backward: one rank in every group, in the
+  /// parameters' own dtype and device. The parameters are full-shape views of the FlatParameter
+  /// and autograd writes their gradients as in local training.
+  bool passthrough() const;
   bool unshard_in_flight() const { return pending_unshard_.valid(); }
   /// Whether the parameters are sharded across ranks (false for NO_SHARD, and on one rank, where
   /// the shard is the whole FlatParameter and nothing is communicated).
@@ -113,6 +117,8 @@ class FlatParamHandle {
   /// Waits for the reduction issued by reduce_gradients(), frees its input and points `.grad` at
   /// the new sharded gradient (plus the set-aside one). No-op when none is pending.
   void finalize_gradients();
+  /// Whether no reduction is pending, or the pending one has completed (finalize would not wait).
+  bool reduction_completed() const { return !pending_reduce_.valid() || pending_reduce_.completed(); }
   /// End of a successful backward pass: forgets the set-aside gradient (restoring it as `.grad`
   /// when no synchronised reduction ran).
   void commit_gradients();
@@ -134,12 +140,14 @@ class FlatParamHandle {
   void set_unit_fqn(std::string fqn) { unit_fqn_ = std::move(fqn); }
   /// This rank's shard of the FlatParameter (1-D, layout().shard_numel() elements).
   const at::Tensor& local_shard() const { return local_shard_; }
-  /// The sharded gradient (1-D) or undefined.
-  const at::Tensor& sharded_grad() const { return sharded_grad_; }
+  /// The sharded gradient (1-D over the storage the parameters' `.grad` views share), or undefined
+  /// when the parameters' `.grad` are not (all) such views (none yet, set to none by zero_grad,
+  /// replaced by the user).
+  at::Tensor sharded_grad() const;
   /// Bytes held now by: the padded unsharded buffer (0 when resharded), the sharded gradient, the
   /// gradients accumulated without sync.
   size_t unsharded_bytes() const;
-  size_t sharded_grad_bytes() const;
+  size_t sharded_grad_bytes() const;  // or, when not one flat gradient, the parameters' `.grad`
   size_t accumulated_grad_bytes() const;
   /// Bytes of the unsharded gradient buffers of a backward pass now alive: the flat buffer autograd
   /// accumulates into, and the input and output of a reduction not yet finalized.
@@ -151,7 +159,7 @@ class FlatParamHandle {
   void use_unsharded_views();
   void write_back_replaced_data();
   void check_params_unchanged() const;
-  void set_sharded_grad_views();
+  void set_sharded_grad_views(const at::Tensor& grad);
   // Takes this pass's unsharded gradients out of the parameters as one padded flat tensor in the
   // reduce dtype (the preset buffer, or a copy), leaving `.grad` unset.
   at::Tensor take_unsharded_gradients();
@@ -170,7 +178,6 @@ class FlatParamHandle {
   at::Device compute_device_ = at::kCPU;
   std::shared_ptr<DeviceStreams> streams_;  // [Note: streams]
   at::Tensor padded_unsharded_;       // 1-D [padded_numel]; storage freed while resharded
-  at::Tensor sharded_grad_;           // 1-D [shard_numel] or undefined
   at::Tensor saved_grad_;             // set aside before backward, added after the reduction
   at::Tensor grad_buffer_;            // 1-D [padded_numel]: autograd accumulates into it, or undefined
   at::Tensor accumulated_grad_;       // 1-D [padded_numel]: unsynchronised gradients, or undefined
@@ -187,6 +194,7 @@ class FlatParamHandle {
   bool requires_grad_ = false;
   bool shard_ = true;                 // sharded across more than one rank
   bool accumulated_in_pass_ = false;  // this backward pass added to accumulated_grad_
+  bool finalized_in_pass_ = false;    // this backward pass set a new sharded gradient
 };
 
 }  // namespace fsdp

@@ -67,6 +67,10 @@ void lazy_init(FSDPState& state) {
     }
   }
   place_tied_parameters(*context, unit_fqns);
+  context->passthrough = true;
+  for (FSDPState* unit : context->states) {
+    for (const auto& h : unit->handles()) context->passthrough &= h->passthrough();
+  }
 }
 
 }  // namespace fsdp::runtime

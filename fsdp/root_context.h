@@ -8,6 +8,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include <ATen/core/Tensor.h>
+
 #include "comm/communicator.h"
 
 namespace fsdp {
@@ -40,6 +42,12 @@ class RootContext {
   int max_unsharded = 2;
   /// Units whose all-gathers are in flight, oldest first.
   std::vector<FSDPState*> unshards_in_flight;
+
+  /// Every handle of the tree is a passthrough (one rank, nothing to gather, copy or reduce): the
+  /// hooks do nothing beyond checking that units run inside the root's forward.
+  bool passthrough = false;
+  /// Passthrough: each trainable parameter and the gradient it held when the backward pass began.
+  std::vector<std::pair<at::Tensor, at::Tensor>> passthrough_saved_grads;
 
   IterationPhase phase = IterationPhase::kIdle;
   /// Bumped by every new iteration; autograd hooks carry it, so a hook from an older iteration's

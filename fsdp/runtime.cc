@@ -79,6 +79,17 @@ void check_forward_order(RootContext& context, const std::string& entry) {
 void pre_forward(FSDPState& state, contract::ForwardArgs& args) {
   if (state.root_context() == nullptr) lazy_init(state);
   RootContext& context = *state.root_context();
+  if (context.passthrough) {  // one rank: nothing to gather, route or hook
+    if (state.is_root()) {
+      discard_passthrough_backward(context);  // the last backward threw
+      context.in_root_forward = true;
+    }
+    TORCH_CHECK(context.in_root_forward, "fully_shard: module ",
+                contract::ModuleStateRegistry::global().describe(state.module()),
+                " ran its forward outside a forward of its root; call the root module");
+    state.unshard();  // checks that parameters were not replaced (dtype, device, shape)
+    return;
+  }
   if (state.is_root()) root_pre_forward(context);
   TORCH_CHECK(context.in_root_forward, "fully_shard: module ",
               contract::ModuleStateRegistry::global().describe(state.module()),
@@ -111,6 +122,12 @@ void pre_forward(FSDPState& state, contract::ForwardArgs& args) {
 
 void post_forward(FSDPState& state, c10::IValue& output) {
   RootContext& context = *state.root_context();
+  if (context.passthrough) {
+    if (!state.is_root()) return;
+    context.in_root_forward = false;
+    hook_root_outputs_passthrough(context, output);
+    return;
+  }
   // Siblings: reshard after the last of the unit's modules ran.
   const bool last_module = state.iteration.last_module_ran(state.modules().size());
   if (!state.is_root() && state.config().reshard_after_forward && last_module) context.reshard(state);

@@ -38,8 +38,10 @@
 //    before any hook runs);
 //  - the root's first pre-forward installs a gradient hook on every trainable managed parameter
 //    (it runs before AccumulateGrad, with the incoming gradient): a gradient whose shape is not
-//    the unsharded shape, or that arrives while the parameter's unit is not in its backward, is
-//    recorded and dropped, so backward completes with every collective matched;
+//    the unsharded shape, or that arrives while the parameter's unit is not in its backward and
+//    the unit's parameters are sharded across ranks, is recorded and dropped, so backward
+//    completes with every collective matched (without sharding, e.g. on one rank, the sharded
+//    form is the full one and such a gradient is kept and correct);
 //  - at the end of that backward (a callback queued from the root's outputs, after the runtime's
 //    end-of-backward), the findings are exchanged and every rank fails with one error naming the
 //    parameters per rank. The hooks are then removed: later iterations pay nothing.
@@ -81,7 +83,8 @@ void check_modules_can_run_hooks(const std::vector<torch::nn::Module*>& modules)
 
 /// The forward-exception hook of `unit` ([Note: forward errors]): adds context to `error` naming
 /// the units inside `unit` that did not run their pre-forward. No-op when there are none, when
-/// `unit` is not initialised, or when an inner unit already explained the error.
+/// `unit` is not initialised, when an inner unit already explained the error, or for fully_shard's
+/// own errors.
 void explain_forward_error(const FSDPState& unit, c10::Error& error);
 
 /// First-iteration gradient guard ([Note: first-iteration gradient guard]). Call at the end of

@@ -298,11 +298,12 @@ void place_tied_parameters(RootContext& context, const UnitModuleFqns& unit_fqns
       std::string users;
       for (const auto& other : u) users += (users.empty() ? "'" : ", '") + display(other.module_fqn) + "'";
       fail("fully_shard: parameter '" + u.front().param_fqn + "' is used by modules " + users +
-           " but managed by unit '" + unit->fqn() + "', which does not contain '" +
-           display(use.module_fqn) + "' (was it registered after fully_shard?). Every module "
-           "using a parameter must be inside the unit managing it: register shared parameters "
-           "before fully_shard, which moves them into the innermost unit containing all their "
-           "users.");
+           " in the tree of the root unit " + root_name + ", but managed by unit '" + unit->fqn() +
+           "', which does not contain '" + display(use.module_fqn) + "': one of them would compute "
+           "on it while the other has resharded it. Apply fully_shard to a module that contains all "
+           "of them (e.g. their common parent), after fully_shard on the units inside it, and "
+           "register shared parameters before fully_shard: the parameter then moves into that "
+           "unit.");
     }
   }
   // Parameters of this tree also registered by modules of other units' trees outside it.

@@ -93,8 +93,9 @@ void run_mixed_precision_parity(at::ScalarType param_dtype, at::ScalarType reduc
         CHECK(p.param.grad().scalar_type() == at::kFloat);
       }
     }
-    CHECK(comm->stats(CollectiveKind::kAllGather).bytes == ag_bytes);
-    CHECK(comm->stats(CollectiveKind::kReduceScatter).bytes == rs_bytes);
+    // One rank communicates nothing (the casts are local copies).
+    CHECK(comm->stats(CollectiveKind::kAllGather).bytes == (W > 1 ? ag_bytes : 0));
+    CHECK(comm->stats(CollectiveKind::kReduceScatter).bytes == (W > 1 ? rs_bytes : 0));
     opt.step();
     opt.zero_grad();
     at::Tensor ref_loss = reference_step(reference, ref_opt, it, param_dtype, reduce);
@@ -177,6 +178,6 @@ FSDP_RANKS_TEST_CASE("mixed precision: gradients accumulate without sync in the 
   CHECK(comm->stats(CollectiveKind::kReduceScatter).calls == 0);
   units.back().set_requires_gradient_sync(true);
   model(at::randn({3, 6})).to(at::kFloat).pow(2).mean().backward();
-  CHECK(comm->stats(CollectiveKind::kReduceScatter).calls == 3);
+  CHECK(comm->stats(CollectiveKind::kReduceScatter).calls == (world_size() > 1 ? 3 : 0));  // one rank: none
   CHECK(model->head->weight.grad().scalar_type() == at::kFloat);
 }

@@ -262,14 +262,17 @@ FSDP_RANKS_TEST_CASE("a unit's output view modified in place by the caller", "[p
 }
 
 FSDP_RANKS_TEST_CASE("a double backward (create_graph) is refused on every rank, the model stays usable", "[patterns][errors]") {
+  // One rank keeps full parameters throughout (nothing is sharded): the double backward works
+  // there, with parity. On more ranks it is refused and the model trains on.
+  const int W = world_size();
   PatternOptions o;
-  o.fails = [](int64_t it) { return it == 1; };
+  o.fails = [W](int64_t it) { return it == 1 && W > 1; };
   o.error = "create_graph";
-  check_parity("gradient penalty", [](Chain& m, int64_t it, int q, double scale, bool sharded) {
-    if (sharded && it == 1) {
+  check_parity("gradient penalty", [W](Chain& m, int64_t it, int q, double scale, bool sharded) {
+    if (it == 1 && (sharded || W == 1)) {
       at::Tensor loss = loss_of(m, it, q);
       auto grads = torch::autograd::grad({loss}, {m->layers[0]->weight}, {}, true, /*create_graph=*/true);
-      (loss + grads[0].pow(2).sum()).backward();
+      ((loss + grads[0].pow(2).sum()) * scale).backward();
       return loss.detach();
     }
     return plain_step(m, it, q, scale, sharded);
@@ -358,15 +361,19 @@ FSDP_RANKS_TEST_CASE("backward keeps a bounded number of unsharded gradients ali
       // reduction is in flight (plus their shard-sized reduction outputs), never more.
       const int64_t padded_unit = units_padded_bytes(W);
       CHECK(run.peak_gradient_buffers <= 2 * padded_unit + 2 * padded_unit / W);
-      CHECK(run.peak_gradient_buffers >= padded_unit);
+      // One rank: autograd writes `.grad` as in local training, no buffer of the library's.
+      CHECK(run.peak_gradient_buffers >= (W > 1 ? padded_unit : 0));
       if (W > 1) {
-        // Everything backward adds: those gradient buffers, autograd's gradient of the layer
-        // being computed (one unit) before it is added in, the all-gathered parameters of the
-        // units unsharded (max_unshards_in_flight = 2; 1 without backward prefetch), and the
-        // new sharded gradients (1/W of all). The unsharded model adds all 8 units.
+        // Everything backward adds: the new sharded gradients (1/W of all), and at most: the
+        // gradient buffer being filled, autograd's gradient of the layer being computed (one unit
+        // here, one parameter in general) before it is added in, the previous unit's reduction
+        // input and output while its reduce-scatter is in flight, and the all-gathered
+        // parameters of the units unsharded (2 with backward prefetch, 1 without).
         const int64_t unsharded_units = prefetch == fsdp::BackwardPrefetch::kNone ? 1 : 2;
-        CHECK(run.backward_rise < (3 + unsharded_units) * unit_grad + all_grads / W + 4096);
-        CHECK(run.backward_rise < local.backward_rise);
+        CHECK(run.backward_rise < (3 + unsharded_units) * unit_grad + unit_grad / W + all_grads / W + 4096);
+        // The unsharded model adds all 8 units' gradients; from 3 ranks on, the sharded gradients
+        // and the few units in flight are less.
+        if (W >= 3) CHECK(run.backward_rise < local.backward_rise);
       }
       CHECK(run.peak_unsharded <= 2);
     }

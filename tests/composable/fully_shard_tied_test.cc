@@ -87,7 +87,7 @@ void check_placement(const torch::nn::Module& m, const std::vector<FSDPModule>& 
 
 // A run_parity scenario over `model` (built by `make`), sharded by `shard`, which also returns the
 // tied tensor and the index of the unit that must hold it; placement is checked right after
-// fully_shard (before the first forward) and again after training.
+// fully_shard, before the first forward.
 template <typename Model>
 Scenario tied_scenario(std::string name, std::function<Model()> make,
                        std::function<std::pair<std::vector<FSDPModule>, size_t>(Model&, const FullyShardOptions&)> shard,
@@ -109,11 +109,15 @@ Scenario tied_scenario(std::string name, std::function<Model()> make,
 // --- The arrangements -----------------------------------------------------------------------
 
 // emb, body and head units, then the root: the weight of emb (a unit) and head (another unit)
-// moves to the root.
-Scenario siblings() {
+// moves to the root. `frozen`: the tied weight does not require gradients.
+Scenario siblings(bool frozen = false) {
   return tied_scenario<fsdp::testing::TiedSiblings>(
-      "emb, head and root units: the weight moves to the root",
-      [] { return fsdp::testing::TiedSiblings(kIn, kHidden); },
+      frozen ? "emb, head and root units, frozen tied weight" : "emb, head and root units: the weight moves to the root",
+      [frozen] {
+        auto model = fsdp::testing::TiedSiblings(kIn, kHidden);
+        if (frozen) model->emb->weight.requires_grad_(false);
+        return model;
+      },
       [](fsdp::testing::TiedSiblings& m, const FullyShardOptions& o) {
         std::vector<FSDPModule> units;
         units.push_back(fsdp::fully_shard(m->emb, o));
@@ -282,6 +286,8 @@ void train_parity(const std::string& name, const std::function<Trainee()>& make,
     options.before_shard(reference);
   }
   const auto keys_before = sharded.module->named_parameters().keys();
+  std::vector<const void*> impls_before;  // the parameter objects, tied ones once per name
+  for (const auto& p : sharded.module->parameters()) impls_before.push_back(p.unsafeGetTensorImpl());
   auto units = sharded.shard(FullyShardOptions(options.shard).communicator(fresh_comm()));
   check_placement(*sharded.module, units, sharded.tied, sharded.tied_owner);
   CHECK(sharded.module->named_parameters().keys() == keys_before);
@@ -350,7 +356,9 @@ void train_parity(const std::string& name, const std::function<Trainee()>& make,
   }
 
   check_placement(*sharded.module, units, sharded.tied, sharded.tied_owner);
-  CHECK(sharded.tied.is_same(sharded.tied));
+  std::vector<const void*> impls_after;
+  for (const auto& p : sharded.module->parameters()) impls_after.push_back(p.unsafeGetTensorImpl());
+  CHECK(impls_after == impls_before);
   const auto full = fsdp::full_state_dict(units.back(), fsdp::FullStateDictOptions().rank0_only(false));
   for (const auto& item : reference.module->named_parameters()) {
     INFO("parameter " << item.key());
@@ -432,6 +440,7 @@ FSDP_RANKS_TEST_CASE("tied weight between sibling units (embedding and head): pa
   auto before = with(ShardingStrategy::kFullShard);
   before.optimizer_before_shard = true;
   fsdp::testing::run_parity(siblings(), before);
+  fsdp::testing::run_parity(siblings(/*frozen=*/true), with(ShardingStrategy::kFullShard));
   // One unit of emb and head contains both users and keeps the weight. Its two modules run apart
   // (body between them), so backward all-gathers it once per module: parity without collective
   // counts.
@@ -501,6 +510,26 @@ FSDP_RANKS_TEST_CASE("the tied weight moves at the root's fully_shard, before an
   CHECK(at::allclose(out, reference(x), 1e-6, 1e-6));
   out.sum().backward();
   CHECK(model->emb->weight.grad().defined());
+}
+
+FSDP_RANKS_TEST_CASE("sync_module_states: the moved tied weight is rank 0's everywhere", "[tied][sync]") {
+  torch::manual_seed(300 + rank());  // every rank initialises differently
+  auto model = fsdp::testing::TiedSiblings(kIn, kHidden);
+  torch::manual_seed(300);  // rank 0's initialisation
+  auto rank0 = fsdp::testing::TiedSiblings(kIn, kHidden);
+  const auto o = FullyShardOptions().communicator(fresh_comm()).sync_module_states(true);
+  std::vector<FSDPModule> units{fsdp::fully_shard(model->emb, o), fsdp::fully_shard(model->head, o),
+                                fsdp::fully_shard(model, o)};
+  CHECK(units.back().state().manages(model->emb->weight));
+  for (auto& u : units) u.unshard();
+  const auto expected = rank0->named_parameters();
+  for (const auto& item : model->named_parameters()) {
+    INFO("parameter " << item.key());
+    CHECK(item.value().equal(expected[item.key()]));
+  }
+  for (auto& u : units) u.reshard();
+  const at::Tensor x = at::randn({2, kIn});
+  CHECK(at::allclose(model(x), rank0(x), 1e-6, 1e-6));
 }
 
 // --- Mixed precision -------------------------------------------------------------------------
@@ -603,6 +632,11 @@ FSDP_RANKS_TEST_CASE("no unit contains both users of a tied weight: a clear erro
                                     Contains("ProjectionImpl)") && Contains("outside that tree") &&
                                     Contains("Apply fully_shard to a module that contains both"));
   }
+  // The head first: its parameter belongs to a unit outside its tree.
+  CHECK_THROWS_WITH(model->head(at::randn({2, kHidden})),
+                    Contains("fully_shard: parameter 'weight' of unit '<root>' (") && Contains("ProjectionImpl)") &&
+                        Contains("LinearImpl)") && Contains("outside that tree") &&
+                        Contains("Apply fully_shard to a module that contains both"));
   // Nothing moved or changed.
   CHECK(model->named_parameters().keys() == keys_before);
   CHECK(model->head->weight.is_same(model->emb->weight));
@@ -660,4 +694,34 @@ FSDP_RANKS_TEST_CASE("a unit that ran forward or is unsharded cannot give a tied
     CHECK(enc.handles()[0]->local_shard().equal(shard_before));
     CHECK(model->named_parameters().keys() == keys_before);
   }
+}
+
+FSDP_RANKS_TEST_CASE("a unit managing a tied weight must contain its users inside its root's tree: clear error, model unchanged", "[tied][errors]") {
+  // {pair.a, y.proj} is one unit spanning two subtrees; pair.b, inside the root unit `pair`, uses
+  // the weight too, but that unit does not contain pair.b.
+  torch::manual_seed(12);
+  auto model = fsdp::testing::TiedAcross(kIn, kHidden);
+  torch::manual_seed(12);
+  auto reference = fsdp::testing::TiedAcross(kIn, kHidden);
+  const auto o = FullyShardOptions().communicator(fresh_comm());
+  auto across = fsdp::fully_shard({model->pair->a.ptr().get(), model->y->proj.ptr().get()}, o);
+  auto pair = fsdp::fully_shard(model->pair, o);
+  CHECK(across.state().manages(model->pair->a->weight));  // the pair unit does not contain y.proj
+  const auto keys_before = model->named_parameters().keys();
+  const at::Tensor shard_before = across.handles()[0]->local_shard().clone();
+  const at::Tensor x = at::randn({3, kIn});
+  CHECK_THROWS_WITH(model(x), Contains("fully_shard: parameter 'a.weight' is used by modules 'a', 'b'") &&
+                                  Contains("TiedPairImpl)") && Contains("managed by unit 'a'") &&
+                                  Contains("which does not contain 'b'") &&
+                                  Contains("Apply fully_shard to a module that contains all of them"));
+  CHECK(model->named_parameters().keys() == keys_before);
+  CHECK(across.state().manages(model->pair->a->weight));
+  CHECK(across.handles()[0]->local_shard().equal(shard_before));
+  // fully_shard on the model, which contains every user, takes the weight over.
+  auto root = fsdp::fully_shard(model, o);
+  CHECK(root.state().manages(model->pair->a->weight));
+  CHECK_FALSE(across.state().manages(model->pair->a->weight));
+  at::Tensor out = model(x);
+  CHECK(at::allclose(out, reference(x), 1e-6, 1e-6));
+  out.sum().backward();
 }

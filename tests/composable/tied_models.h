@@ -115,4 +115,28 @@ struct TiedNestedImpl : torch::nn::Module {
 };
 FSDP_HOOKABLE_MODULE(TiedNested);
 
+/// holder.proj(x) = x W: a module holding a tied projection one level down.
+struct TiedHolderImpl : torch::nn::Module {
+  explicit TiedHolderImpl(torch::Tensor tied) { proj = register_module("proj", Projection(tied)); }
+  torch::Tensor forward(torch::Tensor x) { return proj(x); }
+  Projection proj{nullptr};
+};
+FSDP_HOOKABLE_MODULE(TiedHolder);
+
+/// pair(x) + y(relu(pair.a(x))), with pair.a.weight used by pair.a, pair.b and y.proj: for a unit
+/// of the siblings pair.a and y.proj, which spans two subtrees.
+struct TiedAcrossImpl : torch::nn::Module {
+  TiedAcrossImpl(int64_t in, int64_t hidden) {
+    pair = register_module("pair", TiedPair(in, hidden));
+    y = register_module("y", TiedHolder(pair->a->weight));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    torch::Tensor first = pair(x);
+    return first + y(torch::relu(pair->a(x)));
+  }
+  TiedPair pair{nullptr};
+  TiedHolder y{nullptr};
+};
+FSDP_HOOKABLE_MODULE(TiedAcross);
+
 }  // namespace fsdp::testing
