@@ -57,13 +57,6 @@ std::mutex& mpi_lock() {
   return *lock;
 }
 
-int world_rank() {
-  ensure_initialized();
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  return rank;
-}
-
 int world_size() {
   ensure_initialized();
   int size = 0;

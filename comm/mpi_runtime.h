@@ -20,8 +20,7 @@ bool finalized();
 /// The lock held around every MPI call.
 std::mutex& mpi_lock();
 
-/// Rank and size in MPI_COMM_WORLD (initialises MPI).
-int world_rank();
+/// Size of MPI_COMM_WORLD (initialises MPI).
 int world_size();
 
 /// Prints `message` to stderr (prefixed with this rank) and aborts every process of the job through

@@ -78,7 +78,7 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
   std::string fqn;
   for (auto* m : modules) fqn += (fqn.empty() ? "" : " + ") + registry.describe(*m);
 
-  // Rule 1: every parameter of the trees not already in another unit, in named_parameters order
+  // Every parameter of the trees not already in another unit, in named_parameters order
   // (module by module), once per tensor (a tied parameter's first FQN owns it). A tied parameter
   // another unit manages moves here when this is the innermost unit containing every module using
   // it ([Note: tied parameters] in fsdp/tied_parameters.h); deciding changes nothing.

@@ -150,7 +150,7 @@ class FSDPModule {
 /// leave the model as it was.
 FSDPModule fully_shard(torch::nn::Module& module, const FullyShardOptions& options = {});
 
-/// One unit over several sibling modules (the seed note's units spanning siblings): unsharded
+/// One unit over several sibling modules: unsharded
 /// before the first of them runs, resharded after the last of them ran.
 ///
 ///   fsdp::fully_shard({model->attn.ptr().get(), model->mlp.ptr().get()}, opts);

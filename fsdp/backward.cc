@@ -37,23 +37,39 @@ void finalize(FSDPState& unit) {
   for (const auto& handle : unit.handles()) handle->finalize_gradients();
 }
 
+void reduce_unit(RootContext& context, FSDPState& unit) {
+  for (const auto& handle : unit.handles()) handle->reduce_gradients(unit.requires_gradient_sync);
+  // The previous unit's reduction has had this unit's reduction to overlap with: finish it and
+  // free its buffers.
+  if (context.awaiting_finalize != nullptr) finalize(*context.awaiting_finalize);
+  context.awaiting_finalize = unit.requires_gradient_sync ? &unit : nullptr;
+  unit.iteration.set_reduced();
+}
+
 // Reduces, in reverse forward order, every unit whose turn has come: with `final`, all of them;
-// else only while the next one has finished its backward.
+// else only while the next one has finished its backward. A unit whose backward end cannot be
+// seen (a call's inputs needed no gradient) is deferred to the end of the pass rather than hold up
+// the units before it; every rank defers the same units, so the collectives still pair up.
 void reduce_in_order(RootContext& context, bool final) {
   const size_t n = context.forward_order.size();
   while (context.reduced_from_back < n) {
     FSDPState* unit = context.forward_order[n - 1 - context.reduced_from_back];
     if (unit->iteration.may_get_gradients() && has_trainable_handle(*unit)) {
+      if (!final && unit->iteration.completes_at_end_of_backward()) {
+        context.deferred_reductions.push_back(unit);
+        ++context.reduced_from_back;
+        continue;
+      }
       if (!final && !unit->iteration.backward_complete()) break;
-      for (const auto& handle : unit->handles()) handle->reduce_gradients(unit->requires_gradient_sync);
-      // The previous unit's reduction has had this unit's reduction to overlap with: finish it
-      // and free its buffers.
-      if (context.awaiting_finalize != nullptr) finalize(*context.awaiting_finalize);
-      context.awaiting_finalize = unit->requires_gradient_sync ? unit : nullptr;
+      reduce_unit(context, *unit);
+    } else {
+      unit->iteration.set_reduced();
     }
-    unit->iteration.set_reduced();
     ++context.reduced_from_back;
   }
+  if (!final) return;
+  for (FSDPState* unit : context.deferred_reductions) reduce_unit(context, *unit);
+  context.deferred_reductions.clear();
 }
 
 void end_of_backward(RootContext& context) {
@@ -75,6 +91,7 @@ void end_of_backward(RootContext& context) {
 void begin_backward_pass(RootContext& context) {
   context.phase = IterationPhase::kBackward;
   context.reduced_from_back = 0;
+  context.deferred_reductions.clear();
   context.awaiting_finalize = nullptr;
   torch::autograd::Engine::get_default_engine().queue_callback([c = &context] { end_of_backward(*c); });
   for (FSDPState* unit : context.forward_order) {
@@ -263,6 +280,7 @@ void discard_iteration(RootContext& context) {
   }
   context.awaiting_finalize = nullptr;
   context.reduced_from_back = 0;
+  context.deferred_reductions.clear();
   context.unshards_in_flight.clear();
   context.forward_order.clear();
   context.phase = IterationPhase::kIdle;

@@ -1,6 +1,6 @@
 #pragma once
 // FlatParamHandle: owns one FlatParameter's storage and moves the original parameters between
-// their sharded and unsharded forms. One handle per FlatParameter (the seed note's FlatParamHandle);
+// their sharded and unsharded forms. One handle per FlatParameter;
 // FSDPState coordinates the handles of a unit.
 //
 // [Note: original parameters] The original parameters keep their identity (the same at::Tensor

@@ -4,8 +4,7 @@
 // A unit's parameters, in `named_parameters` order, are flattened into one 1-D buffer (the
 // FlatParameter). Each parameter starts on a 16-byte boundary (padding is inserted before it), and
 // the total is right-padded to a multiple of the world size, so that every rank holds an equal,
-// contiguous shard (Constraint 1 of the design note: all-gather-into-tensor and
-// reduce-scatter-tensor need even sizes).
+// contiguous shard (all-gather-into-tensor and reduce-scatter-tensor need equal sizes per rank).
 //
 // Example: three bias-free Linears 3->7, 7->5, 5->5 in fp32 (alignment 4 elements):
 //   0.weight [0, 21)  pad [21, 24)  1.weight [24, 59)  pad [59, 60)  2.weight [60, 85)

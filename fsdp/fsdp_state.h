@@ -79,7 +79,7 @@ class FSDPState final : public contract::ApiState {
       const std::string& fqn);
 
   /// Rebuilds the handles over `params` (which must hold full values: call unshard() first).
-  /// Lazy initialisation uses it to move a tied parameter into the unit that owns it.
+  /// fully_shard uses it when a tied parameter moves out of this unit into the one that owns it.
   void rebuild_handles(const std::vector<FlatParamHandle::OrigParam>& params);
   /// The original parameters of every handle, in handle order.
   std::vector<FlatParamHandle::OrigParam> params() const;

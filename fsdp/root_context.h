@@ -62,6 +62,8 @@ class RootContext {
   /// The unit whose reduction was issued last and is not finalized yet (its gradient buffers are
   /// freed when the next unit's reduction is issued).
   FSDPState* awaiting_finalize = nullptr;
+  /// Units whose backward end cannot be seen, reduced at the end of the pass (in this order).
+  std::vector<FSDPState*> deferred_reductions;
   bool checked_sharded_use = false;  // the first iteration's autograd graph check ran
   /// Backward passes completed (0: the first iteration, whose forward order is checked).
   int64_t iterations = 0;

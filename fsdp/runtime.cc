@@ -19,6 +19,7 @@ void start_iteration(RootContext& context) {
   ++context.generation;
   context.forward_order.clear();
   context.reduced_from_back = 0;
+  context.deferred_reductions.clear();
   context.awaiting_finalize = nullptr;
   for (FSDPState* unit : context.states) unit->iteration.reset();
 }

@@ -62,6 +62,11 @@ bool UnitIteration::backward_running() const {
   return std::any_of(calls_.begin(), calls_.end(), [](const Call& c) { return c.running; });
 }
 
+bool UnitIteration::completes_at_end_of_backward() const {
+  return std::any_of(calls_.begin(), calls_.end(),
+                     [&](const Call& c) { return live(c) && !c.post_backward_visible; });
+}
+
 bool UnitIteration::backward_complete() const {
   return std::all_of(calls_.begin(), calls_.end(), [&](const Call& c) {
     return !live(c) || (c.post_backward_visible && c.done);

@@ -55,6 +55,9 @@ class UnitIteration {
   bool backward_running() const;
   /// Whether every live call that backward can reach has finished its backward this pass.
   bool backward_complete() const;
+  /// Whether a live call's backward end cannot be seen (its inputs needed no gradient): the unit
+  /// is complete only at the end of the backward pass.
+  bool completes_at_end_of_backward() const;
 
   /// This pass's reduction was issued (or skipped for a unit that cannot get gradients).
   bool reduced() const { return reduced_; }

@@ -291,11 +291,12 @@ struct MemoryRun {
 constexpr int64_t kMemDim = 256;
 constexpr int kMemDepth = 8;
 
-MemoryRun measure(bool sharded, const fsdp::FullyShardOptions& options, int teacher = -1) {
+MemoryRun measure(bool sharded, const fsdp::FullyShardOptions& options, int teacher = -1, int detached = -1) {
   auto& alloc = fsdp::bench::CountingAllocator::install();
   torch::manual_seed(5);
   Chain model(kMemDim, kMemDepth);
   model->teacher = teacher;
+  model->detached = detached;
   std::vector<fsdp::FSDPModule> units;
   if (sharded) units = shard_chain(model, options);
   MemoryRun run;
@@ -343,16 +344,17 @@ FSDP_RANKS_TEST_CASE("backward keeps a bounded number of unsharded gradients ali
   CHECK(local.backward_rise >= all_grads - unit_grad / 2);
   for (auto prefetch : {fsdp::BackwardPrefetch::kBackwardPre, fsdp::BackwardPrefetch::kBackwardPost,
                         fsdp::BackwardPrefetch::kNone}) {
-    for (int teacher : {-1, 3}) {
-      const MemoryRun run = measure(true, fsdp::FullyShardOptions().backward_prefetch(prefetch), teacher);
-      INFO("W=" << W << " prefetch " << static_cast<int>(prefetch) << " teacher " << teacher
+    // Plain, a unit under NoGradGuard mid-forward, a unit on a detached input mid-forward.
+    for (auto [teacher, detached] : {std::pair{-1, -1}, std::pair{3, -1}, std::pair{-1, 3}}) {
+      const MemoryRun run = measure(true, fsdp::FullyShardOptions().backward_prefetch(prefetch), teacher, detached);
+      INFO("W=" << W << " prefetch " << static_cast<int>(prefetch) << " teacher " << teacher << " detached " << detached
                 << ": backward rise " << run.backward_rise << " B = " << double(run.backward_rise) / unit_grad
                 << " units; unsharded model " << double(local.backward_rise) / unit_grad << " units");
       if (fsdp::testing::rank() == 0) {  // the figures for the record (test.log)
-        std::fprintf(stderr, "[memory] W=%d backward_prefetch=%d teacher=%d: backward rise %.2f units "
+        std::fprintf(stderr, "[memory] W=%d backward_prefetch=%d teacher=%d detached=%d: backward rise %.2f units "
                      "of gradients (%lld B); gradient buffers at once %.2f units; unsharded model %.2f units; "
                      "all gradients / W = %.2f units\n",
-                     W, static_cast<int>(prefetch), teacher, double(run.backward_rise) / unit_grad,
+                     W, static_cast<int>(prefetch), teacher, detached, double(run.backward_rise) / unit_grad,
                      static_cast<long long>(run.backward_rise), double(run.peak_gradient_buffers) / unit_grad,
                      double(local.backward_rise) / unit_grad,
                      double(kMemDepth) / W);
@@ -370,10 +372,15 @@ FSDP_RANKS_TEST_CASE("backward keeps a bounded number of unsharded gradients ali
         // input and output while its reduce-scatter is in flight, and the all-gathered
         // parameters of the units unsharded (2 with backward prefetch, 1 without).
         const int64_t unsharded_units = prefetch == fsdp::BackwardPrefetch::kNone ? 1 : 2;
-        CHECK(run.backward_rise < (3 + unsharded_units) * unit_grad + unit_grad / W + all_grads / W + 4096);
+        // A unit on a detached input cannot be seen finishing its backward: it keeps its
+        // parameters and gradient buffer until the end of the pass (the units before it reduce
+        // as usual).
+        const int64_t held_to_end = detached >= 0 ? 2 : 0;
+        CHECK(run.backward_rise <
+              (3 + unsharded_units + held_to_end) * unit_grad + unit_grad / W + all_grads / W + 4096);
         // The unsharded model adds all 8 units' gradients; from 3 ranks on, the sharded gradients
         // and the few units in flight are less.
-        if (W >= 3) CHECK(run.backward_rise < local.backward_rise);
+        if (W >= 3 && detached < 0) CHECK(run.backward_rise < local.backward_rise);
       }
       CHECK(run.peak_unsharded <= 2);
     }

@@ -114,7 +114,7 @@ void run_parity(const Scenario& scenario, const ParityOptions& options) {
   std::sort(impls_in_optimizer.begin(), impls_in_optimizer.end());
   CHECK(impls_in_optimizer == sorted_before);
 
-  // Counted from the second iteration on: lazy initialisation may move tied parameters.
+  // Counted from the second iteration on: the first checks the forward order across ranks.
   CollectiveCounts per_pass;
 
   const int64_t rows = 5;
