@@ -194,6 +194,7 @@ std::vector<at::Tensor> hook_outputs_for_backward(FSDPState& unit, c10::IValue& 
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> nodes;
   if (c10::GradMode::is_enabled() && unit.iteration.ran_forward()) {
     const int64_t tag = make_tag(unit.root_context()->generation, unit.iteration.latest_call());
+    const uint64_t first_node = unit.iteration.latest_call_first_node();
     auto hook = [u = &unit, tag](const at::TensorBase&) { pre_backward(*u, tag); };
     auto hook_tensor = [&](const at::TensorBase& t) {
       t.register_hook(hook);
@@ -206,8 +207,15 @@ std::vector<at::Tensor> hook_outputs_for_backward(FSDPState& unit, c10::IValue& 
       // An output that is a view (`h.view(...)`, `transpose`) may be modified in place by the
       // caller, which rewrites its autograd history: the hook above would never fire, and its
       // node is freed. The hook on its base fires either way (the pre-backward runs once per
-      // call whichever fires first), and the base's node stays in the graph.
-      if (t.is_view() && t._base().requires_grad()) hook_tensor(t._base());
+      // call whichever fires first), and the base's node stays in the graph. Only a base this
+      // call computed: a view of a tensor from before the unit (its input) gets its gradient only
+      // after the unit's backward.
+      if (t.is_view()) {
+        const at::TensorBase& base = t._base();
+        if (base.requires_grad() && base.grad_fn() && base.grad_fn()->sequence_nr() >= first_node) {
+          hook_tensor(base);
+        }
+      }
     });
   }
   unit.iteration.end_call(!hooked.empty(), nodes);

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include <ATen/SequenceNumber.h>
+
 
 namespace fsdp {
 
@@ -15,6 +17,7 @@ size_t UnitIteration::begin_call(bool grad_enabled, bool* first) {
   *first = calls_.empty();
   calls_.push_back({});
   calls_.back().grad_enabled = grad_enabled;
+  calls_.back().first_node = at::sequence_number::peek();
   return calls_.size() - 1;
 }
 

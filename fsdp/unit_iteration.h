@@ -13,6 +13,7 @@
 // finished its backward.
 
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include <c10/util/intrusive_ptr.h>
@@ -35,6 +36,9 @@ class UnitIteration {
   void end_call(bool outputs_need_grad, const std::vector<c10::intrusive_ptr<torch::autograd::Node>>& nodes);
   /// The latest call's index (post-forward belongs to it: a unit's calls do not nest).
   size_t latest_call() const { return calls_.size() - 1; }
+  /// The first autograd sequence number of the latest call: nodes from this number on were
+  /// created during it (this thread's counter; forward runs on one thread).
+  uint64_t latest_call_first_node() const { return calls_.back().first_node; }
   bool ran_forward() const { return !calls_.empty(); }
   /// Siblings: counts post-forwards; true after the last module of the unit ran.
   bool last_module_ran(size_t modules);
@@ -66,6 +70,7 @@ class UnitIteration {
  private:
   struct Call {
     bool grad_enabled = false;
+    uint64_t first_node = 0;
     bool post_backward_visible = false;
     bool outputs_need_grad = false;
     // The outputs' nodes (none: the outputs are leaves, live while the unit is).
