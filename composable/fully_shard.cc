@@ -11,7 +11,8 @@
 #include "contract/forward_hooks.h"
 #include "contract/module_fqn.h"
 #include "fsdp/runtime.h"
-#include "fsdp/sharded_use_guard.h"
+#include "fsdp/forward_errors.h"
+#include "fsdp/gradient_guard.h"
 #include "fsdp/tied_parameters.h"
 #include "fsdp/unit_tree.h"
 
@@ -67,7 +68,7 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
                   registry.describe(*modules[i]), " is inside ", registry.describe(*modules[j]));
     }
   }
-  check_modules_can_run_hooks(modules);  // [Note: refused modules] in fsdp/sharded_use_guard.h
+  check_modules_can_run_hooks(modules);  // [Note: refused modules] in fsdp/forward_errors.h
   TORCH_CHECK(!(options.mesh() && options.communicator()), "fully_shard: give either a "
               "communicator or a mesh (hybrid sharding), not both");
   std::shared_ptr<comm::Communicator> comm =
@@ -152,7 +153,7 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
       }
       FSDPState* raw = state.get();  // owned by the registry for the modules' lifetime
       // The guard calls: [Note: first-iteration gradient guard] and [Note: forward errors] in
-      // fsdp/sharded_use_guard.h.
+      // fsdp/gradient_guard.h and fsdp/forward_errors.h.
       contract::register_forward_pre_hook(
           m, [raw](torch::nn::Module&, contract::ForwardArgs& args) {
             runtime::pre_forward(*raw, args);

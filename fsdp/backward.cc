@@ -49,13 +49,14 @@ void reduce_unit(RootContext& context, FSDPState& unit) {
 // Reduces, in reverse forward order, every unit whose turn has come: with `final`, all of them;
 // else only while the next one has finished its backward. A unit whose backward end cannot be
 // seen (a call's inputs needed no gradient) is deferred to the end of the pass rather than hold up
-// the units before it; every rank defers the same units, so the collectives still pair up.
+// the units before it. Deferral depends only on the units (never on when the loop reaches them),
+// so every rank issues the same order: the others in reverse forward order, then the deferred.
 void reduce_in_order(RootContext& context, bool final) {
   const size_t n = context.forward_order.size();
   while (context.reduced_from_back < n) {
     FSDPState* unit = context.forward_order[n - 1 - context.reduced_from_back];
     if (unit->iteration.may_get_gradients() && has_trainable_handle(*unit)) {
-      if (!final && unit->iteration.completes_at_end_of_backward()) {
+      if (unit->iteration.completes_at_end_of_backward()) {
         context.deferred_reductions.push_back(unit);
         ++context.reduced_from_back;
         continue;

@@ -23,7 +23,7 @@
 #include "composable/fully_shard.h"
 #include "contract/forward_hooks.h"
 #include "fsdp/root_context.h"
-#include "fsdp/sharded_use_guard.h"
+#include "fsdp/gradient_guard.h"
 #include "tests/composable/parity.h"
 #include "tests/composable/test_models.h"
 #include "tests/testing/multi_rank.h"

@@ -180,7 +180,8 @@ FSDP_RANKS_TEST_CASE("unshard and reshard on demand", "[fully_shard][unshard]") 
   CHECK(model->block(0)->fc1->weight.dim() == sharded_dim);
   unit.unshard();
   CHECK(model->block(0)->fc1->weight.equal(reference->block(0)->fc1->weight));
-  CHECK(unit.handles()[0]->unsharded_bytes() == (world_size() > 1 ? unit.handles()[0]->layout().padded_numel * 4 : 0));
+  const int64_t unsharded_bytes = world_size() > 1 ? unit.handles()[0]->layout().padded_numel * 4 : 0;
+  CHECK(static_cast<int64_t>(unit.handles()[0]->unsharded_bytes()) == unsharded_bytes);
   unit.reshard();
   CHECK(model->block(0)->fc1->weight.dim() == sharded_dim);
   CHECK(unit.handles()[0]->unsharded_bytes() == 0);
