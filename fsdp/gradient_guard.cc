@@ -27,10 +27,8 @@
 namespace fsdp {
 
 using guard::exchange_findings;
-using guard::kMaxListed;
 using guard::managed_params;
 using guard::ManagedParam;
-using guard::ran_forward;
 using guard::shape_string;
 using guard::unit_name;
 
