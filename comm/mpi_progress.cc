@@ -130,6 +130,11 @@ class ProgressEngine {
       } catch (...) {
         error = std::current_exception();
       }
+      // Release the tensors the collective kept alive before the caller learns it finished: a
+      // caller that frees its buffers after wait() then really frees them (no late release from
+      // this thread).
+      entry.op.after = nullptr;
+      entry.op.start = nullptr;
       entry.op.finish(error);
     }
     return !done.empty();

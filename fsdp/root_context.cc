@@ -19,8 +19,14 @@ bool RootContext::counted(const FSDPState& unit, const FSDPState& running) const
 
 int RootContext::unsharded_count(const FSDPState& running) const {
   int count = 0;
-  for (const FSDPState* unit : states) count += counted(*unit, running) ? 1 : 0;
+  for (const FSDPState* unit : unsharded_units) count += counted(*unit, running) ? 1 : 0;
   return count;
+}
+
+void RootContext::note_unsharded_unit(FSDPState& unit) {
+  if (std::find(unsharded_units.begin(), unsharded_units.end(), &unit) == unsharded_units.end()) {
+    unsharded_units.push_back(&unit);
+  }
 }
 
 void RootContext::note_unsharded(const FSDPState& running) {
@@ -45,6 +51,7 @@ void RootContext::forget_in_flight(FSDPState& unit) {
 void RootContext::unshard(FSDPState& unit) {
   unit.unshard();
   forget_in_flight(unit);
+  note_unsharded_unit(unit);
   note_unsharded(unit);
 }
 
@@ -57,6 +64,7 @@ void RootContext::start_unshard(FSDPState& unit) {
   }
   unit.start_unshard();
   if (unit.unshard_in_flight()) unshards_in_flight.push_back(&unit);
+  note_unsharded_unit(unit);
 }
 
 void RootContext::prefetch(FSDPState& unit, const FSDPState& running, bool bounded) {
@@ -73,6 +81,8 @@ void RootContext::prefetch(FSDPState& unit, const FSDPState& running, bool bound
 void RootContext::reshard(FSDPState& unit) {
   unit.reshard();  // waits for an all-gather in flight first
   forget_in_flight(unit);
+  unsharded_units.erase(std::remove(unsharded_units.begin(), unsharded_units.end(), &unit),
+                        unsharded_units.end());
 }
 
 std::vector<FSDPState*> prefetch_targets(const FSDPState& unit,

@@ -42,6 +42,9 @@ class RootContext {
   int max_unsharded = 2;
   /// Units whose all-gathers are in flight, oldest first.
   std::vector<FSDPState*> unshards_in_flight;
+  /// Units this context unsharded (or is all-gathering) and has not resharded: what
+  /// unsharded_count() looks at, so scheduling costs no walk over every unit.
+  std::vector<FSDPState*> unsharded_units;
 
   /// Every handle of the tree is a passthrough (one rank, nothing to gather, copy or reduce): the
   /// hooks do nothing beyond checking that units run inside the root's forward.
@@ -86,6 +89,7 @@ class RootContext {
  private:
   bool counted(const FSDPState& unit, const FSDPState& running) const;
   void forget_in_flight(FSDPState& unit);
+  void note_unsharded_unit(FSDPState& unit);
   void note_unsharded(const FSDPState& running);
   int peak_unsharded_ = 0;
 };
