@@ -2,14 +2,15 @@
 # Installs whatever the project needs and this machine lacks; safe to run again, and fast when
 # everything is there. Debian 12: Bazel 4 (bazel-bootstrap, bazel-rules-java), Catch2, Open MPI;
 # PyPI: the pinned torch package (the LibTorch we build against; version in tools/TORCH_VERSION),
-# installed machine-wide so every clone finds it. Set LIBTORCH_HOME to use an unpacked LibTorch
+# installed machine-wide so every clone finds it, and the safetensors package (tests check that Python
+# reads and writes our checkpoints). Set LIBTORCH_HOME to use an unpacked LibTorch
 # instead of the torch package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 log() { echo "[setup] $*"; }
 
-debs=(bazel-bootstrap bazel-rules-java catch2 libopenmpi-dev openmpi-bin python3)
+debs=(bazel-bootstrap bazel-rules-java catch2 libopenmpi-dev openmpi-bin python3 nlohmann-json3-dev zlib1g-dev)
 missing=()
 for pkg in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
@@ -39,6 +40,22 @@ else
         cat /tmp/fsdp_setup_pip.err >&2
         exit 1
       fi
+    fi
+  fi
+fi
+# Python packages beside torch, in the interpreter that has torch (checkpoint interop tests).
+safetensors_version=0.8.0
+py_missing=()
+python3 -c "import safetensors, sys; sys.exit(safetensors.__version__ != '$safetensors_version')" 2>/dev/null ||
+  py_missing+=("safetensors==$safetensors_version")
+if [ ${#py_missing[@]} -gt 0 ]; then
+  log "installing ${py_missing[*]} from PyPI"
+  if ! python3 -m pip install --quiet "${py_missing[@]}" 2> /tmp/fsdp_setup_pip.err; then
+    if grep -q externally-managed /tmp/fsdp_setup_pip.err; then
+      python3 -m pip install --quiet "${py_missing[@]}" --break-system-packages
+    else
+      cat /tmp/fsdp_setup_pip.err >&2
+      exit 1
     fi
   fi
 fi
