@@ -1,0 +1,100 @@
+#pragma once
+// The safetensors file format (https://huggingface.co/docs/safetensors): 8 bytes little-endian
+// header length N, N bytes of JSON (`{"key": {"dtype": "F32", "shape": [..], "data_offsets":
+// [begin, end]}, ..., "__metadata__": {"str": "str"}}`, padded with spaces), then the data,
+// each entry row-major, offsets relative to the end of the header.
+//
+// Checksums (this project's addition, ignored by other readers): `__metadata__` holds
+// "FSDP_CRC32_BLOCK" (bytes, decimal) and "FSDP_CRC32", a JSON object from key to the list of the
+// zlib crc32 of each block of that entry's bytes (the last block may be shorter), so a reader
+// that needs part of an entry verifies only the blocks it reads.
+//
+//   fsdp::storage::SafetensorsWriter w(path);   // or write_safetensors(path, items, metadata)
+//   fsdp::storage::SafetensorsFile f(path);     // header parsed and checked
+//   f.read(f.header().at("w"), 0, 64, dst);      // bytes [0, 64) of entry "w" (pread)
+//   f.verify(f.header().at("w"), 0, 64);         // crc32 of the blocks covering them
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+namespace fsdp::storage {
+
+/// The safetensors name of a dtype ("F32", "BF16", "I64", "BOOL", ...) and back. Unsupported
+/// dtypes are a c10::Error naming them and `context`.
+std::string safetensors_dtype_name(c10::ScalarType dtype);
+c10::ScalarType scalar_type_from_safetensors(const std::string& name, const std::string& context);
+
+inline constexpr const char* kCrcBlockKey = "FSDP_CRC32_BLOCK";
+inline constexpr const char* kCrcKey = "FSDP_CRC32";
+inline constexpr int64_t kDefaultCrcBlockBytes = int64_t{4} << 20;
+
+struct SafetensorsEntry {
+  std::string key;
+  c10::ScalarType dtype = c10::ScalarType::Float;
+  std::vector<int64_t> shape;
+  int64_t data_begin = 0;  // bytes, relative to the start of the data section
+  int64_t data_end = 0;
+  std::vector<uint32_t> crc32;  // per block of `crc_block_bytes` (empty: the file has no checksums)
+  int64_t nbytes() const { return data_end - data_begin; }
+  int64_t numel() const;
+};
+
+struct SafetensorsHeader {
+  std::string path;
+  std::vector<SafetensorsEntry> entries;         // in data order
+  std::map<std::string, std::string> metadata;   // "__metadata__", checksum keys removed
+  int64_t data_start = 0;                        // 8 + header length: file offset of the data
+  int64_t data_size = 0;                         // end of the last entry's data
+  int64_t crc_block_bytes = 0;                   // 0: no checksums
+  /// The entry named `key`; a c10::Error naming the file and the key when absent.
+  const SafetensorsEntry& at(const std::string& key) const;
+  const SafetensorsEntry* find(const std::string& key) const;
+};
+
+/// One tensor to write: any dtype safetensors knows, any device, any layout (written row-major).
+struct SafetensorsItem {
+  std::string key;
+  at::Tensor tensor;
+};
+
+/// Writes `items` (keys unique) and `metadata` to `path` in one pass over the data: the header is
+/// reserved first and rewritten with the checksums at the end; contiguous CPU tensors are written
+/// straight from their memory, others copied to the host one at a time. fsync()s the file before
+/// returning. Errors (I/O, a full disk) are a c10::Error naming the file.
+void write_safetensors(const std::string& path, const std::vector<SafetensorsItem>& items,
+                       const std::map<std::string, std::string>& metadata = {},
+                       int64_t crc_block_bytes = kDefaultCrcBlockBytes);
+
+/// An open safetensors file (read only): the constructor reads and checks the header (well-formed
+/// JSON, known dtypes, shapes matching byte sizes, entries back to back and in bounds, checksum
+/// lists of the right length, the file not shorter than header + data). Every error is a
+/// c10::Error naming the file (and the key where one is concerned).
+class SafetensorsFile {
+ public:
+  explicit SafetensorsFile(std::string path);
+  ~SafetensorsFile();
+  SafetensorsFile(SafetensorsFile&& other) noexcept;
+  SafetensorsFile& operator=(SafetensorsFile&& other) noexcept;
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const SafetensorsHeader& header() const { return header_; }
+  /// Reads bytes [begin, end) of `entry`'s data into `dst` (pread; safe from several threads).
+  void read(const SafetensorsEntry& entry, int64_t begin, int64_t end, void* dst) const;
+  /// The whole entry as a CPU tensor of its dtype and shape.
+  at::Tensor read_tensor(const SafetensorsEntry& entry) const;
+  /// Reads the checksum blocks of `entry` covering bytes [begin, end) and compares their crc32;
+  /// a mismatch is a c10::Error naming the file, the key and the block. No-op without checksums.
+  void verify(const SafetensorsEntry& entry, int64_t begin, int64_t end) const;
+
+ private:
+  SafetensorsHeader header_;
+  int fd_ = -1;
+};
+
+}  // namespace fsdp::storage
