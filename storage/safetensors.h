@@ -6,10 +6,17 @@
 //
 // Checksums (this project's addition, ignored by other readers): `__metadata__` holds
 // "FSDP_CRC32_BLOCK" (bytes, decimal) and "FSDP_CRC32", a JSON object from key to the list of the
-// zlib crc32 of each block of that entry's bytes (the last block may be shorter), so a reader
-// that needs part of an entry verifies only the blocks it reads.
+// zlib crc32 of each block of that entry's bytes (the last block may be shorter; an empty entry
+// has an empty list), each written as 8 lowercase hexadecimal digits, so a reader that needs part
+// of an entry verifies only the blocks it reads. Both values are JSON strings, as safetensors
+// requires of metadata: `"FSDP_CRC32": "{\"w\":[\"1a2b3c4d\",\"00ff00ff\"]}"`.
 //
-//   fsdp::storage::SafetensorsWriter w(path);   // or write_safetensors(path, items, metadata)
+// Files of the `safetensors` Python package and of torch.distributed.checkpoint's
+// HuggingFaceStorageWriter (whose "DCP_SHARDING_INFO" metadata is kept in `metadata`) are read
+// as they are; without checksums `crc_block_bytes` is 0 and verify() does nothing. The header is
+// padded with spaces so that the data starts at a multiple of 8 bytes, as the Rust writer does.
+//
+//   fsdp::storage::write_safetensors(path, {{"w", w}, {"b", b}}, {{"format", "pt"}});
 //   fsdp::storage::SafetensorsFile f(path);     // header parsed and checked
 //   f.read(f.header().at("w"), 0, 64, dst);      // bytes [0, 64) of entry "w" (pread)
 //   f.verify(f.header().at("w"), 0, 64);         // crc32 of the blocks covering them
@@ -53,6 +60,7 @@ struct SafetensorsHeader {
   int64_t crc_block_bytes = 0;                   // 0: no checksums
   /// The entry named `key`; a c10::Error naming the file and the key when absent.
   const SafetensorsEntry& at(const std::string& key) const;
+  /// The entry named `key`, or nullptr (a linear search over `entries`).
   const SafetensorsEntry* find(const std::string& key) const;
 };
 
@@ -65,14 +73,16 @@ struct SafetensorsItem {
 /// Writes `items` (keys unique) and `metadata` to `path` in one pass over the data: the header is
 /// reserved first and rewritten with the checksums at the end; contiguous CPU tensors are written
 /// straight from their memory, others copied to the host one at a time. fsync()s the file before
-/// returning. Errors (I/O, a full disk) are a c10::Error naming the file.
+/// returning. Errors (I/O, a full disk) are a c10::Error naming the file; a file that failed
+/// halfway is removed. `crc_block_bytes` = 0 writes no checksums (a plain safetensors file).
 void write_safetensors(const std::string& path, const std::vector<SafetensorsItem>& items,
                        const std::map<std::string, std::string>& metadata = {},
                        int64_t crc_block_bytes = kDefaultCrcBlockBytes);
 
 /// An open safetensors file (read only): the constructor reads and checks the header (well-formed
 /// JSON, known dtypes, shapes matching byte sizes, entries back to back and in bounds, checksum
-/// lists of the right length, the file not shorter than header + data). Every error is a
+/// lists of the right length, the file not shorter than header + data; a truncated file names
+/// the first entry whose data is cut, and a key that appears twice is refused). Every error is a
 /// c10::Error naming the file (and the key where one is concerned).
 class SafetensorsFile {
  public:
@@ -84,7 +94,8 @@ class SafetensorsFile {
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
 
   const SafetensorsHeader& header() const { return header_; }
-  /// Reads bytes [begin, end) of `entry`'s data into `dst` (pread; safe from several threads).
+  /// Reads bytes [begin, end) of `entry`'s data into `dst` (pread; safe from several threads, as
+  /// are read_tensor() and verify()).
   void read(const SafetensorsEntry& entry, int64_t begin, int64_t end, void* dst) const;
   /// The whole entry as a CPU tensor of its dtype and shape.
   at::Tensor read_tensor(const SafetensorsEntry& entry) const;

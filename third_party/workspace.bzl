@@ -2,6 +2,7 @@
 
 load("//third_party/libtorch:workspace.bzl", libtorch = "repo")
 load("//third_party/mpi:workspace.bzl", mpi = "repo")
+load("//third_party/python:workspace.bzl", torch_python = "repo")
 
 def fsdp_dependencies():
     # Offline stand-ins for what Bazel 4.2.3 would otherwise download.
@@ -10,3 +11,4 @@ def fsdp_dependencies():
     native.local_repository(name = "rules_java", path = "/usr/share/bazel/rules/java")
     libtorch()
     mpi()
+    torch_python()

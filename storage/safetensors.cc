@@ -1,0 +1,572 @@
+#include "storage/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <set>
+#include <thread>
+#include <utility>
+
+#include <ATen/ops/empty.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+#include <zlib.h>
+
+namespace fsdp::storage {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+constexpr const char* kMetadataKey = "__metadata__";
+// Largest header accepted (the Rust implementation's limit), so a corrupt length cannot make the
+// reader allocate gigabytes.
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+// Bytes handed to one write() call and crc32'ed just before it, so the data is still in cache.
+constexpr int64_t kWriteChunkBytes = int64_t{16} << 20;
+// Entries at least this large have their checksums computed on a second thread while written.
+constexpr int64_t kParallelCrcBytes = int64_t{32} << 20;
+// Largest buffer verify() reads a checksum block into at once.
+constexpr int64_t kVerifyChunkBytes = int64_t{8} << 20;
+
+std::string error_text(int err) { return std::strerror(err); }
+
+struct DtypeName {
+  c10::ScalarType dtype;
+  const char* name;
+};
+
+constexpr DtypeName kDtypeNames[] = {
+    {c10::ScalarType::Double, "F64"},        {c10::ScalarType::Float, "F32"},
+    {c10::ScalarType::Half, "F16"},          {c10::ScalarType::BFloat16, "BF16"},
+    {c10::ScalarType::Long, "I64"},          {c10::ScalarType::Int, "I32"},
+    {c10::ScalarType::Short, "I16"},         {c10::ScalarType::Char, "I8"},
+    {c10::ScalarType::Byte, "U8"},           {c10::ScalarType::Bool, "BOOL"},
+    {c10::ScalarType::UInt16, "U16"},        {c10::ScalarType::UInt32, "U32"},
+    {c10::ScalarType::UInt64, "U64"},        {c10::ScalarType::ComplexFloat, "C64"},
+    {c10::ScalarType::Float8_e4m3fn, "F8_E4M3"}, {c10::ScalarType::Float8_e5m2, "F8_E5M2"},
+};
+
+int64_t checked_numel(const std::vector<int64_t>& shape, bool* overflow) {
+  int64_t numel = 1;
+  *overflow = false;
+  for (int64_t d : shape) {
+    if (__builtin_mul_overflow(numel, d, &numel)) *overflow = true;
+  }
+  return numel;
+}
+
+int64_t block_count(int64_t nbytes, int64_t block) { return nbytes == 0 ? 0 : (nbytes + block - 1) / block; }
+
+std::string hex8(uint32_t value) {
+  char text[9];
+  std::snprintf(text, sizeof(text), "%08x", value);
+  return text;
+}
+
+// Writes all of [data, data + size) at file offset `offset` (loops over short writes and EINTR).
+void pwrite_all(int fd, const void* data, int64_t size, int64_t offset, const std::string& path) {
+  const char* p = static_cast<const char*>(data);
+  while (size > 0) {
+    const ssize_t n = ::pwrite(fd, p, static_cast<size_t>(size), offset);
+    if (n < 0 && errno == EINTR) continue;
+    TORCH_CHECK(n > 0, "write_safetensors: writing '", path, "' at offset ", offset, " failed: ",
+                n < 0 ? error_text(errno) : std::string("no progress"));
+    p += n;
+    size -= n;
+    offset += n;
+  }
+}
+
+// Reads exactly [offset, offset + size) of the file into `data` (loops over short reads and EINTR).
+void pread_all(int fd, void* data, int64_t size, int64_t offset, const std::string& path, const char* api) {
+  char* p = static_cast<char*>(data);
+  while (size > 0) {
+    const ssize_t n = ::pread(fd, p, static_cast<size_t>(size), offset);
+    if (n < 0 && errno == EINTR) continue;
+    TORCH_CHECK(n >= 0, api, ": reading '", path, "' at offset ", offset, " failed: ", error_text(errno));
+    TORCH_CHECK(n > 0, api, ": unexpected end of '", path, "' at offset ", offset, " (", size,
+                " more bytes expected; was the file truncated?)");
+    p += n;
+    size -= n;
+    offset += n;
+  }
+}
+
+// Accumulates the crc32 of consecutive blocks of one entry's bytes, fed in pieces of any size.
+class BlockCrc {
+ public:
+  explicit BlockCrc(int64_t block) : block_(block) {}
+  void update(const unsigned char* data, int64_t size) {
+    while (size > 0) {
+      const int64_t take = std::min(size, block_ - filled_);
+      crc_ = crc32_z(crc_, data, static_cast<size_t>(take));
+      filled_ += take;
+      data += take;
+      size -= take;
+      if (filled_ == block_) flush();
+    }
+  }
+  /// The checksums of all blocks, the last (shorter) one included.
+  std::vector<uint32_t> finish() {
+    if (filled_ > 0) flush();
+    return std::move(crcs_);
+  }
+
+ private:
+  void flush() {
+    crcs_.push_back(static_cast<uint32_t>(crc_));
+    crc_ = crc32_z(0L, Z_NULL, 0);
+    filled_ = 0;
+  }
+  int64_t block_;
+  int64_t filled_ = 0;
+  uLong crc_ = crc32_z(0L, Z_NULL, 0);
+  std::vector<uint32_t> crcs_;
+};
+
+// The header JSON text (padded with spaces so that 8 + its length is a multiple of 8).
+// `crcs[i]` are item i's block checksums, or empty placeholders of the right count.
+std::string header_text(const std::vector<SafetensorsItem>& items, const std::vector<int64_t>& offsets,
+                        const std::vector<std::vector<uint32_t>>& crcs,
+                        const std::map<std::string, std::string>& metadata, int64_t crc_block_bytes,
+                        const std::string& path) {
+  Json header = Json::object();
+  if (!metadata.empty() || crc_block_bytes > 0) {
+    Json meta = Json::object();
+    for (const auto& [k, v] : metadata) meta[k] = v;
+    if (crc_block_bytes > 0) {
+      Json crc = Json::object();
+      for (size_t i = 0; i < items.size(); ++i) {
+        Json list = Json::array();
+        for (uint32_t c : crcs[i]) list.push_back(hex8(c));
+        crc[items[i].key] = std::move(list);
+      }
+      meta[kCrcBlockKey] = std::to_string(crc_block_bytes);
+      meta[kCrcKey] = crc.dump();
+    }
+    header[kMetadataKey] = std::move(meta);
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    const auto& t = items[i].tensor;
+    Json entry = Json::object();
+    entry["dtype"] = safetensors_dtype_name(t.scalar_type());
+    entry["shape"] = t.sizes().vec();
+    entry["data_offsets"] = {offsets[i], offsets[i + 1]};
+    header[items[i].key] = std::move(entry);
+  }
+  std::string text;
+  try {
+    text = header.dump();
+  } catch (const Json::exception& e) {
+    TORCH_CHECK(false, "write_safetensors: cannot encode the header of '", path,
+                "' (keys and metadata must be valid UTF-8): ", e.what());
+  }
+  text.append((8 - (text.size() % 8)) % 8, ' ');
+  return text;
+}
+
+// Closes the file and removes it unless released (a failed write leaves no half-written file).
+class PartialFile {
+ public:
+  PartialFile(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+  ~PartialFile() {
+    if (fd_ >= 0) {
+      ::close(fd_);
+      ::unlink(path_.c_str());
+    }
+  }
+  PartialFile(const PartialFile&) = delete;
+  PartialFile& operator=(const PartialFile&) = delete;
+  int fd() const { return fd_; }
+  void close_and_keep() {
+    const int fd = fd_;
+    fd_ = -1;
+    TORCH_CHECK(::close(fd) == 0, "write_safetensors: closing '", path_, "' failed: ", error_text(errno));
+  }
+
+ private:
+  int fd_;
+  std::string path_;
+};
+
+std::string describe(const Json& value) {
+  std::string text = value.dump();
+  if (text.size() > 80) text = text.substr(0, 77) + "...";
+  return text;
+}
+
+}  // namespace
+
+std::string safetensors_dtype_name(c10::ScalarType dtype) {
+  for (const auto& d : kDtypeNames) {
+    if (d.dtype == dtype) return d.name;
+  }
+  TORCH_CHECK(false, "safetensors: dtype ", dtype, " has no safetensors name (supported: F64, F32, F16, BF16, "
+              "I64, I32, I16, I8, U64, U32, U16, U8, BOOL, C64, F8_E4M3, F8_E5M2)");
+}
+
+c10::ScalarType scalar_type_from_safetensors(const std::string& name, const std::string& context) {
+  for (const auto& d : kDtypeNames) {
+    if (name == d.name) return d.dtype;
+  }
+  TORCH_CHECK(false, "safetensors: ", context, ": unsupported dtype '", name,
+              "' (supported: F64, F32, F16, BF16, I64, I32, I16, I8, U64, U32, U16, U8, BOOL, C64, F8_E4M3, "
+              "F8_E5M2)");
+}
+
+int64_t SafetensorsEntry::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+const SafetensorsEntry* SafetensorsHeader::find(const std::string& key) const {
+  for (const auto& e : entries) {
+    if (e.key == key) return &e;
+  }
+  return nullptr;
+}
+
+const SafetensorsEntry& SafetensorsHeader::at(const std::string& key) const {
+  const auto* e = find(key);
+  TORCH_CHECK(e != nullptr, "safetensors: '", path, "' has no entry '", key, "' (it has ", entries.size(),
+              " entries)");
+  return *e;
+}
+
+void write_safetensors(const std::string& path, const std::vector<SafetensorsItem>& items,
+                       const std::map<std::string, std::string>& metadata, int64_t crc_block_bytes) {
+  TORCH_CHECK(crc_block_bytes >= 0, "write_safetensors: '", path, "': the checksum block size must be positive "
+              "(or 0 for no checksums), got ", crc_block_bytes);
+  if (crc_block_bytes > 0) {
+    TORCH_CHECK(metadata.count(kCrcBlockKey) == 0 && metadata.count(kCrcKey) == 0, "write_safetensors: '", path,
+                "': metadata keys '", kCrcBlockKey, "' and '", kCrcKey, "' are reserved for the checksums");
+  }
+  std::set<std::string> keys;
+  std::vector<int64_t> offsets{0};
+  std::vector<std::vector<uint32_t>> crcs(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    const auto& item = items[i];
+    TORCH_CHECK(!item.key.empty() && item.key != kMetadataKey, "write_safetensors: '", path, "': invalid key '",
+                item.key, "'");
+    TORCH_CHECK(keys.insert(item.key).second, "write_safetensors: '", path, "': key '", item.key,
+                "' appears twice");
+    TORCH_CHECK(item.tensor.defined(), "write_safetensors: '", path, "': tensor '", item.key, "' is undefined");
+    TORCH_CHECK(item.tensor.layout() == c10::kStrided && !item.tensor.is_meta(), "write_safetensors: '", path,
+                "': tensor '", item.key, "' has no data to write (layout ", item.tensor.layout(), ", device ",
+                item.tensor.device(), "); a dense tensor with storage is expected");
+    safetensors_dtype_name(item.tensor.scalar_type());  // checks the dtype before any I/O
+    const int64_t nbytes = item.tensor.numel() * static_cast<int64_t>(item.tensor.element_size());
+    offsets.push_back(offsets.back() + nbytes);
+    if (crc_block_bytes > 0) crcs[i].assign(static_cast<size_t>(block_count(nbytes, crc_block_bytes)), 0);
+  }
+
+  // Placeholder checksums have the same width as the real ones: the header's length is final.
+  const std::string placeholder = header_text(items, offsets, crcs, metadata, crc_block_bytes, path);
+  const int64_t data_start = 8 + static_cast<int64_t>(placeholder.size());
+
+  int raw_fd;
+  do {
+    raw_fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  } while (raw_fd < 0 && errno == EINTR);
+  TORCH_CHECK(raw_fd >= 0, "write_safetensors: cannot create '", path, "': ", error_text(errno));
+  PartialFile file(raw_fd, path);
+
+  for (size_t i = 0; i < items.size(); ++i) {
+    at::Tensor t = items[i].tensor;
+    if (!t.device().is_cpu()) t = t.to(c10::kCPU);
+    t = t.resolve_conj().resolve_neg().contiguous();  // no copy when already contiguous
+    const auto* bytes = static_cast<const unsigned char*>(t.const_data_ptr());
+    const int64_t nbytes = offsets[i + 1] - offsets[i];
+    BlockCrc crc(crc_block_bytes > 0 ? crc_block_bytes : 1);
+    // A large entry's checksums are computed on a second thread while this one writes (crc32 and
+    // copying into the page cache run at similar speeds); the thread joins before `t` goes away.
+    const bool parallel_crc = crc_block_bytes > 0 && nbytes >= kParallelCrcBytes;
+    std::jthread crc_thread;
+    if (parallel_crc) crc_thread = std::jthread([&crc, bytes, nbytes] { crc.update(bytes, nbytes); });
+    for (int64_t done = 0; done < nbytes;) {
+      const int64_t chunk = std::min(kWriteChunkBytes, nbytes - done);
+      if (crc_block_bytes > 0 && !parallel_crc) crc.update(bytes + done, chunk);
+      pwrite_all(file.fd(), bytes + done, chunk, data_start + offsets[i] + done, path);
+      done += chunk;
+    }
+    if (parallel_crc) crc_thread.join();
+    if (crc_block_bytes > 0) crcs[i] = crc.finish();
+  }
+
+  const std::string text = header_text(items, offsets, crcs, metadata, crc_block_bytes, path);
+  TORCH_INTERNAL_ASSERT(text.size() == placeholder.size(), "write_safetensors: header of '", path,
+                        "' changed length from ", placeholder.size(), " to ", text.size());
+  unsigned char length[8];
+  for (int b = 0; b < 8; ++b) length[b] = static_cast<unsigned char>((uint64_t{text.size()} >> (8 * b)) & 0xff);
+  std::string prefix(reinterpret_cast<const char*>(length), 8);
+  prefix += text;
+  pwrite_all(file.fd(), prefix.data(), static_cast<int64_t>(prefix.size()), 0, path);
+  int rc;
+  do {
+    rc = ::fsync(file.fd());
+  } while (rc != 0 && errno == EINTR);
+  TORCH_CHECK(rc == 0, "write_safetensors: fsync of '", path, "' failed: ", error_text(errno));
+  file.close_and_keep();
+}
+
+SafetensorsFile::SafetensorsFile(std::string path) {
+  header_.path = std::move(path);
+  const std::string& p = header_.path;
+  do {
+    fd_ = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+  } while (fd_ < 0 && errno == EINTR);
+  TORCH_CHECK(fd_ >= 0, "SafetensorsFile: cannot open '", p, "': ", error_text(errno));
+  // The constructor's failures must not leak the descriptor (the destructor will not run).
+  struct CloseOnError {
+    int& fd;
+    bool armed = true;
+    ~CloseOnError() {
+      if (armed && fd >= 0) {
+        ::close(fd);
+        fd = -1;
+      }
+    }
+  } guard{fd_};
+
+  struct stat st;
+  TORCH_CHECK(::fstat(fd_, &st) == 0, "SafetensorsFile: cannot stat '", p, "': ", error_text(errno));
+  const int64_t file_size = st.st_size;
+  TORCH_CHECK(file_size >= 8, "SafetensorsFile: '", p, "' is ", file_size,
+              " bytes, too short for the 8-byte header length of a safetensors file");
+  unsigned char length_bytes[8];
+  pread_all(fd_, length_bytes, 8, 0, p, "SafetensorsFile");
+  uint64_t header_length = 0;
+  for (int b = 7; b >= 0; --b) header_length = (header_length << 8) | length_bytes[b];
+  TORCH_CHECK(header_length <= kMaxHeaderBytes && header_length <= static_cast<uint64_t>(file_size - 8),
+              "SafetensorsFile: '", p, "' declares a header of ", header_length, " bytes but the file is ",
+              file_size, " bytes (limit ", kMaxHeaderBytes, "): not a safetensors file, or truncated");
+  std::string text(header_length, '\0');
+  pread_all(fd_, text.data(), static_cast<int64_t>(header_length), 8, p, "SafetensorsFile");
+  header_.data_start = 8 + static_cast<int64_t>(header_length);
+
+  // Duplicate top-level keys would silently replace each other in the parsed object.
+  std::set<std::string> seen;
+  std::string duplicate;
+  Json json;
+  try {
+    json = Json::parse(text, [&](int depth, Json::parse_event_t event, Json& parsed) {
+      if (depth == 1 && event == Json::parse_event_t::key && !seen.insert(parsed.get<std::string>()).second &&
+          duplicate.empty()) {
+        duplicate = parsed.get<std::string>();
+      }
+      return true;
+    });
+  } catch (const Json::exception& e) {
+    TORCH_CHECK(false, "SafetensorsFile: the header of '", p, "' is not valid JSON: ", e.what());
+  }
+  TORCH_CHECK(json.is_object(), "SafetensorsFile: the header of '", p, "' is a JSON ", json.type_name(),
+              ", expected an object");
+  TORCH_CHECK(duplicate.empty(), "SafetensorsFile: the header of '", p, "' has key '", duplicate, "' twice");
+
+  std::string crc_block_text;
+  std::string crc_text;
+  bool has_crc_block = false, has_crc = false;
+  for (const auto& [key, value] : json.items()) {
+    if (key == kMetadataKey) {
+      TORCH_CHECK(value.is_object(), "SafetensorsFile: '", p, "': '", kMetadataKey,
+                  "' must be an object of strings, found ", describe(value));
+      for (const auto& [mk, mv] : value.items()) {
+        TORCH_CHECK(mv.is_string(), "SafetensorsFile: '", p, "': metadata '", mk,
+                    "' must be a string, found ", describe(mv));
+        if (mk == kCrcBlockKey) {
+          has_crc_block = true;
+          crc_block_text = mv.get<std::string>();
+        } else if (mk == kCrcKey) {
+          has_crc = true;
+          crc_text = mv.get<std::string>();
+        } else {
+          header_.metadata[mk] = mv.get<std::string>();
+        }
+      }
+      continue;
+    }
+    TORCH_CHECK(!key.empty(), "SafetensorsFile: '", p, "' has an entry with an empty key");
+    const auto fail_entry = [&](const std::string& what) {
+      TORCH_CHECK(false, "SafetensorsFile: '", p, "': entry '", key, "': ", what, " (found ", describe(value), ")");
+    };
+    if (!value.is_object()) fail_entry("expected an object with dtype, shape and data_offsets");
+    if (!value.contains("dtype") || !value["dtype"].is_string()) fail_entry("'dtype' must be a string");
+    if (!value.contains("shape") || !value["shape"].is_array()) fail_entry("'shape' must be an array");
+    if (!value.contains("data_offsets") || !value["data_offsets"].is_array() || value["data_offsets"].size() != 2) {
+      fail_entry("'data_offsets' must be an array [begin, end]");
+    }
+    SafetensorsEntry entry;
+    entry.key = key;
+    entry.dtype = scalar_type_from_safetensors(value["dtype"].get<std::string>(), "'" + p + "' entry '" + key + "'");
+    for (const auto& d : value["shape"]) {
+      if (!d.is_number_unsigned()) fail_entry("'shape' must hold non-negative integers");
+      const uint64_t size = d.get<uint64_t>();
+      if (size > static_cast<uint64_t>(INT64_MAX)) fail_entry("a dimension is too large");
+      entry.shape.push_back(static_cast<int64_t>(size));
+    }
+    for (int i = 0; i < 2; ++i) {
+      const auto& o = value["data_offsets"][i];
+      if (!o.is_number_unsigned() || o.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
+        fail_entry("'data_offsets' must hold non-negative integers");
+      }
+    }
+    entry.data_begin = value["data_offsets"][0].get<int64_t>();
+    entry.data_end = value["data_offsets"][1].get<int64_t>();
+    if (entry.data_end < entry.data_begin) fail_entry("'data_offsets' end is before begin");
+    bool overflow = false;
+    const int64_t numel = checked_numel(entry.shape, &overflow);
+    const int64_t element_size = static_cast<int64_t>(c10::elementSize(entry.dtype));
+    int64_t expected_bytes = 0;
+    if (overflow || __builtin_mul_overflow(numel, element_size, &expected_bytes)) {
+      fail_entry("the shape's byte size overflows");
+    }
+    TORCH_CHECK(expected_bytes == entry.nbytes(), "SafetensorsFile: '", p, "': entry '", key, "' of dtype ",
+                value["dtype"].get<std::string>(), " and shape ", c10::IntArrayRef(entry.shape), " needs ",
+                expected_bytes, " bytes but its data_offsets [", entry.data_begin, ", ", entry.data_end, "] hold ",
+                entry.nbytes());
+    header_.entries.push_back(std::move(entry));
+  }
+
+  // Entries must tile the data section back to back, in any key order.
+  auto& entries = header_.entries;
+  std::stable_sort(entries.begin(), entries.end(), [](const SafetensorsEntry& a, const SafetensorsEntry& b) {
+    return a.data_begin != b.data_begin ? a.data_begin < b.data_begin : a.data_end < b.data_end;
+  });
+  int64_t cursor = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const auto& e = entries[i];
+    if (e.data_begin < cursor) {
+      TORCH_CHECK(false, "SafetensorsFile: '", p, "': the data of entry '", e.key, "' [", e.data_begin, ", ",
+                  e.data_end, ") overlaps that of entry '", entries[i - 1].key, "' [", entries[i - 1].data_begin,
+                  ", ", entries[i - 1].data_end, ")");
+    }
+    TORCH_CHECK(e.data_begin == cursor, "SafetensorsFile: '", p, "': entry '", e.key, "' starts at byte ",
+                e.data_begin, " of the data but the previous entry ends at ", cursor,
+                " (entries must be back to back from 0)");
+    cursor = e.data_end;
+  }
+  header_.data_size = cursor;
+
+  // Compared as sizes left after the header, so that huge offsets cannot overflow.
+  const int64_t data_available = file_size - header_.data_start;
+  if (header_.data_size > data_available) {
+    for (const auto& e : entries) {
+      TORCH_CHECK(e.data_end <= data_available, "SafetensorsFile: '", p, "' is truncated: it holds ",
+                  data_available, " bytes of data after its ", header_.data_start, "-byte header, but entry '", e.key,
+                  "' needs data bytes [", e.data_begin, ", ", e.data_end, ") and the header describes ",
+                  header_.data_size, " bytes");
+    }
+  }
+
+  TORCH_CHECK(has_crc_block == has_crc, "SafetensorsFile: '", p, "': metadata has '",
+              has_crc_block ? kCrcBlockKey : kCrcKey, "' without '", has_crc_block ? kCrcKey : kCrcBlockKey, "'");
+  if (has_crc_block) {
+    int64_t block = 0;
+    try {
+      size_t used = 0;
+      block = std::stoll(crc_block_text, &used);
+      if (used != crc_block_text.size()) block = 0;
+    } catch (const std::exception&) {
+      block = 0;
+    }
+    TORCH_CHECK(block > 0, "SafetensorsFile: '", p, "': metadata '", kCrcBlockKey,
+                "' must be a positive decimal number of bytes, found '", crc_block_text, "'");
+    header_.crc_block_bytes = block;
+    Json crc;
+    try {
+      crc = Json::parse(crc_text);
+    } catch (const Json::exception& e) {
+      TORCH_CHECK(false, "SafetensorsFile: '", p, "': metadata '", kCrcKey, "' is not valid JSON: ", e.what());
+    }
+    TORCH_CHECK(crc.is_object(), "SafetensorsFile: '", p, "': metadata '", kCrcKey,
+                "' must be a JSON object from key to checksum list");
+    for (const auto& [key, list] : crc.items()) {
+      TORCH_CHECK(header_.find(key) != nullptr, "SafetensorsFile: '", p, "': metadata '", kCrcKey,
+                  "' has checksums for '", key, "', which is not an entry of the file");
+    }
+    for (auto& e : entries) {
+      TORCH_CHECK(crc.contains(e.key), "SafetensorsFile: '", p, "': metadata '", kCrcKey,
+                  "' has no checksums for entry '", e.key, "'");
+      const auto& list = crc[e.key];
+      const int64_t expected = block_count(e.nbytes(), block);
+      TORCH_CHECK(list.is_array() && static_cast<int64_t>(list.size()) == expected, "SafetensorsFile: '", p,
+                  "': entry '", e.key, "' of ", e.nbytes(), " bytes needs ", expected, " checksums of ", block,
+                  "-byte blocks, found ", describe(list));
+      for (const auto& c : list) {
+        const std::string hex = c.is_string() ? c.get<std::string>() : std::string();
+        char* end = nullptr;
+        const unsigned long value = hex.size() == 8 ? std::strtoul(hex.c_str(), &end, 16) : 0;
+        TORCH_CHECK(hex.size() == 8 && end == hex.c_str() + 8, "SafetensorsFile: '", p, "': entry '", e.key,
+                    "': checksum ", describe(c), " is not 8 hexadecimal digits");
+        e.crc32.push_back(static_cast<uint32_t>(value));
+      }
+    }
+  }
+  guard.armed = false;
+}
+
+SafetensorsFile::~SafetensorsFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+SafetensorsFile::SafetensorsFile(SafetensorsFile&& other) noexcept
+    : header_(std::move(other.header_)), fd_(std::exchange(other.fd_, -1)) {}
+
+SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    header_ = std::move(other.header_);
+    fd_ = std::exchange(other.fd_, -1);
+  }
+  return *this;
+}
+
+void SafetensorsFile::read(const SafetensorsEntry& entry, int64_t begin, int64_t end, void* dst) const {
+  TORCH_CHECK(fd_ >= 0, "SafetensorsFile::read: the file was moved from");
+  TORCH_CHECK(0 <= begin && begin <= end && end <= entry.nbytes(), "SafetensorsFile::read: '", header_.path,
+              "': bytes [", begin, ", ", end, ") are outside entry '", entry.key, "' of ", entry.nbytes(), " bytes");
+  pread_all(fd_, dst, end - begin, header_.data_start + entry.data_begin + begin, header_.path,
+            "SafetensorsFile::read");
+}
+
+at::Tensor SafetensorsFile::read_tensor(const SafetensorsEntry& entry) const {
+  auto t = at::empty(entry.shape, at::TensorOptions().dtype(entry.dtype).device(c10::kCPU));
+  read(entry, 0, entry.nbytes(), t.mutable_data_ptr());
+  return t;
+}
+
+void SafetensorsFile::verify(const SafetensorsEntry& entry, int64_t begin, int64_t end) const {
+  TORCH_CHECK(0 <= begin && begin <= end && end <= entry.nbytes(), "SafetensorsFile::verify: '", header_.path,
+              "': bytes [", begin, ", ", end, ") are outside entry '", entry.key, "' of ", entry.nbytes(), " bytes");
+  const int64_t block = header_.crc_block_bytes;
+  if (block == 0 || begin == end) return;
+  TORCH_CHECK(static_cast<int64_t>(entry.crc32.size()) == block_count(entry.nbytes(), block),
+              "SafetensorsFile::verify: '", header_.path, "': entry '", entry.key, "' has ", entry.crc32.size(),
+              " checksums, expected ", block_count(entry.nbytes(), block));
+  std::unique_ptr<unsigned char[]> buffer(new unsigned char[std::min(block, kVerifyChunkBytes)]);
+  for (int64_t b = begin / block; b <= (end - 1) / block; ++b) {
+    const int64_t block_begin = b * block;
+    const int64_t block_end = std::min(block_begin + block, entry.nbytes());
+    uLong crc = crc32_z(0L, Z_NULL, 0);
+    for (int64_t at = block_begin; at < block_end;) {
+      const int64_t n = std::min(kVerifyChunkBytes, block_end - at);
+      read(entry, at, at + n, buffer.get());
+      crc = crc32_z(crc, buffer.get(), static_cast<size_t>(n));
+      at += n;
+    }
+    TORCH_CHECK(static_cast<uint32_t>(crc) == entry.crc32[b], "SafetensorsFile::verify: '", header_.path,
+                "': checksum mismatch in entry '", entry.key, "' block ", b, " (bytes [", block_begin, ", ", block_end,
+                ") of the entry): stored ", hex8(entry.crc32[b]), ", computed ", hex8(static_cast<uint32_t>(crc)),
+                "; the file is corrupt");
+  }
+}
+
+}  // namespace fsdp::storage
