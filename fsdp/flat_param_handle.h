@@ -131,6 +131,12 @@ class FlatParamHandle {
   /// shard itself without sharding. Parameter i is at layout().entries[i].offset. For state dicts.
   at::Tensor gather_full_precision() const;
 
+  /// The gradients accumulated without sync and not reduced yet: this rank's own local sum over
+  /// those backward passes, 1-D padded [padded_numel] in the reduce dtype on the compute device
+  /// (parameter i at layout().entries[i].offset), or undefined when there are none. Read by
+  /// summon_full_params (composable/summon_full_params.h); not to be modified.
+  const at::Tensor& accumulated_grad() const { return accumulated_grad_; }
+
   /// Whether the parameters require gradients (a handle holds only trainable or only frozen ones).
   bool requires_grad() const { return requires_grad_; }
 

@@ -124,6 +124,10 @@ class FSDPState final : public contract::ApiState {
   /// accumulating without sync; a backward with sync always reshards).
   bool reshard_after_backward = true;
 
+  /// Set while a SummonFullParams scope (composable/summon_full_params.h) holds this unit's full
+  /// parameters, so that a nested scope on the same unit is refused.
+  bool full_params_summoned = false;
+
   /// This iteration's calls and backward progress (see [Note: forward calls]).
   UnitIteration iteration;
 

@@ -75,11 +75,24 @@ void check_forward_order(RootContext& context, const std::string& entry) {
   TORCH_CHECK(false, message.str());
 }
 
+// A root forward while a SummonFullParams scope holds some unit's full parameters would reshard
+// them under the scope (and its writeback would then copy stale values): refused before anything
+// runs, naming the unit.
+void check_no_summoned_unit(const RootContext& context) {
+  for (const FSDPState* unit : context.states) {
+    TORCH_CHECK(!unit->full_params_summoned, "fully_shard: forward of the root ran while a "
+                "SummonFullParams scope holds the full parameters of unit ",
+                contract::ModuleStateRegistry::global().describe(unit->module()),
+                "; leave the scope (or call its exit()) before running the model");
+  }
+}
+
 }  // namespace
 
 void pre_forward(FSDPState& state, contract::ForwardArgs& args) {
   if (state.root_context() == nullptr) lazy_init(state);
   RootContext& context = *state.root_context();
+  if (state.is_root()) check_no_summoned_unit(context);
   if (context.passthrough) {  // one rank: nothing to gather, route or hook
     if (state.is_root()) {
       discard_passthrough_backward(context);  // the last backward threw
