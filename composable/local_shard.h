@@ -27,6 +27,8 @@ struct LocalShard {
   /// Whether this rank stores these elements when saving (one rank per element).
   bool write = true;
 
+  /// Elements of the whole value: the product of global_shape (1 for a 0-d value such as an
+  /// optimizer step, whose `local` holds one element).
   int64_t global_numel() const;
 };
 
