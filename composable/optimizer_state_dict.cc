@@ -19,6 +19,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include "composable/state_dict_support.h"
 #include "fsdp/unit_tree.h"
 
 namespace fsdp {

@@ -23,11 +23,7 @@
 // checkpoint stores it under every FQN). A checkpoint therefore loads into the tied model, where
 // every key writes the same tensor, and into a model whose copies are not tied.
 
-#include <cstdint>
-#include <functional>
-#include <memory>
 #include <string>
-#include <vector>
 
 #include <c10/util/Exception.h>
 #include <torch/ordered_dict.h>
@@ -84,72 +80,4 @@ void load_full_state_dict(const FSDPModule& root, const torch::OrderedDict<std::
 /// only the first shard group (replicate rank 0) writes. No communication.
 ShardedStateDict sharded_state_dict(const FSDPModule& root);
 
-/// Where one original parameter of a fully_shard model lives on this rank: the building block of
-/// the sharded state dicts of the model and of its optimizer.
-struct ParameterPlacement {
-  std::string fqn;  // relative to the root's module
-  at::Tensor param; // the original parameter object
-  /// The handle holding it, and its entry in the handle's layout; null: in no unit.
-  const FlatParamHandle* handle = nullptr;
-  const FSDPState* unit = nullptr;
-  int entry = -1;
-  /// This rank's slice (the whole parameter where not sharded).
-  ShardSlice slice;
-  /// Whether the parameter is held as a 1-D slice while sharded (false: whole, in its own shape).
-  bool sliced = false;
-  std::vector<int64_t> global_shape;
-  int64_t flat_offset = 0;
-  int64_t local_numel = 0;
-  bool write = true;
-  /// A second (or later) FQN of a tied parameter: the same tensor as an earlier placement.
-  bool alias = false;
-
-  /// 1-D view of this rank's live elements (of the local shard, or of the parameter itself).
-  at::Tensor local() const;
-};
-
-/// Every parameter of `root`'s module (named_parameters order, every FQN of a tied one).
-std::vector<ParameterPlacement> parameter_placements(const FSDPModule& root);
-
-/// Whether this rank writes values every rank holds whole: rank 0 of the root's communicator and,
-/// with hybrid sharding, of its replicate group (world rank 0).
-bool writes_replicated(const FSDPModule& root);
-
-namespace state_dict_detail {
-// Shared by the model's and the optimizer's full state dicts (composable/optimizer_state_dict.cc).
-
-/// One value of a full state dict that a load expects.
-struct ExpectedValue {
-  std::string key;
-  std::vector<int64_t> shape;
-  c10::ScalarType dtype = c10::ScalarType::Float;
-};
-
-/// Values loaded together: the entries of one FlatParameter (`handle` set: `entries[i]` is the
-/// layout entry of `values[i]`), broadcast as one padded flat tensor when loading from rank 0; or
-/// one whole value (`handle` null, `values` of size 1).
-struct LoadGroup {
-  const FlatParamHandle* handle = nullptr;
-  std::shared_ptr<comm::Communicator> comm;  // the handle's unit's communicator
-  std::vector<int> entries;
-  std::vector<ExpectedValue> values;
-  /// Receives, per value, this rank's elements in the expected dtype: the 1-D slice
-  /// [slice.param_begin, slice.param_end) of a handle's entry, or the whole value.
-  std::function<void(size_t index, const at::Tensor& elements)> sink;
-};
-
-/// Validates `state` against `groups` (plus `also_expected`: keys that must be present and well
-/// formed but are not loaded, e.g. a tied parameter's second FQN) on every rank, or on rank 0 only
-/// with broadcast_from_rank0, and `extra_check` (returns an error or ""); agrees on the outcome
-/// across ranks (every rank throws the first failing rank's error); checks, unless told not to,
-/// that the ranks passed the same values (`key_order`: every expected key, in the order the
-/// first differing one is looked for); then, only if all of that passed, feeds every group's
-/// sinks, one group at a time. `api` names the caller in errors.
-void load_full_groups(const FSDPModule& root, const std::string& api, const std::vector<LoadGroup>& groups,
-                      const std::vector<ExpectedValue>& also_expected,
-                      const torch::OrderedDict<std::string, at::Tensor>& state, const LoadFullStateDictOptions& options,
-                      const std::vector<std::string>& key_order,
-                      const std::function<std::string(const torch::OrderedDict<std::string, at::Tensor>&)>& extra_check);
-
-}  // namespace state_dict_detail
 }  // namespace fsdp
