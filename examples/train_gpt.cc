@@ -4,13 +4,18 @@
 // (examples/data/corpus.txt).
 //
 //   tools/example.sh [--np N] [--steps 100] [--strategy full|grad_op|no_shard] [--help] ...
+//   tools/example.sh --steps 50 --save /tmp/gpt              # checkpoint after step 50
+//   tools/example.sh --np 3 --steps 100 --resume /tmp/gpt    # continue on 3 ranks to step 100
 //
 // Rank 0 prints one line per step (loss averaged over the ranks, tokens per second), then what
 // sharding saved: per-rank bytes of parameters, gradients and AdamW state next to what one rank
 // would hold unsharded, and the collectives per step. Last, every rank trains the same model
 // unsharded on all ranks' batches of every step (the gradient DDP would compute) and the final
 // losses must agree within a relative 1e-3: the program exits 1 otherwise, and 1 on any error
-// (printed with the rank), 2 on bad flags.
+// (printed with the rank), 2 on bad flags. `--save DIR` writes a distributed checkpoint (model,
+// AdamW state, the step, and the world size of each step so far) at the end; `--resume DIR`
+// loads one (saved on any number of ranks) and continues from the step after it: the unsharded
+// comparison then replays the whole run, each step with the ranks that trained it.
 
 #include <algorithm>
 #include <chrono>
@@ -30,6 +35,7 @@
 #include <torch/utils.h>
 
 #include "comm/init.h"
+#include "composable/distributed_checkpoint.h"
 #include "composable/fully_shard.h"
 #include "examples/char_corpus.h"
 #include "examples/gpt_model.h"
@@ -59,6 +65,10 @@ constexpr const char* kUsage =
   --seed N               model initialisation and batches (default 0)
   --check-unsharded 0|1  train an unsharded copy and compare final losses (default 1)
   --threads N            intra-op threads per rank (default 1: ranks share this machine's cores)
+  --save DIR             after the last step, save a checkpoint to DIR (fsdp::dcp::save: every
+                         rank writes its shards; DIR is replaced atomically)
+  --resume DIR           load the checkpoint in DIR (saved on any number of ranks, any strategy)
+                         and continue from the step after it up to --steps
 )";
 
 /// The command line.
@@ -74,6 +84,8 @@ struct Flags {
   uint64_t seed = 0;
   bool check_unsharded = true;
   int64_t threads = 1;
+  std::string save_dir;
+  std::string resume_dir;
   bool help = false;
 };
 
@@ -134,6 +146,8 @@ Flags parse_flags(int argc, char** argv) {
     else if (name == "--seed") f.seed = static_cast<uint64_t>(parse_int(name, value, 0));
     else if (name == "--threads") f.threads = parse_int(name, value, 1);
     else if (name == "--check-unsharded") f.check_unsharded = parse_int(name, value, 0) != 0;
+    else if (name == "--save") f.save_dir = value;
+    else if (name == "--resume") f.resume_dir = value;
     else if (name == "--strategy") {
       if (value != "full" && value != "grad_op" && value != "no_shard") {
         throw std::invalid_argument("--strategy expects full, grad_op or no_shard (got '" + value +
@@ -255,12 +269,12 @@ fsdp::examples::TokenBatch batch_for(const fsdp::examples::CharCorpus& corpus, c
   return {b.inputs.to(device), b.targets.to(device)};
 }
 
-/// Trains the model unsharded for the same steps, each step on every rank's batch: the loss is the
-/// mean of the ranks' losses, so its gradient is the average of the ranks' gradients, as data
-/// parallelism computes it. Returns the loss of each step.
+/// Trains the model unsharded for the same steps, each step on every rank's batch (step s on
+/// world_sizes[s - 1] ranks): the loss is the mean of the ranks' losses, so its gradient is the
+/// average of the ranks' gradients, as data parallelism computes it. Returns the loss of each step.
 std::vector<double> train_unsharded_reference(const fsdp::examples::CharCorpus& corpus,
                                               const GPTConfig& config, const Flags& f,
-                                              int world_size, at::Device device) {
+                                              const std::vector<int>& world_sizes, at::Device device) {
   torch::manual_seed(f.seed);
   GPT model(config);
   model->to(device);
@@ -269,6 +283,7 @@ std::vector<double> train_unsharded_reference(const fsdp::examples::CharCorpus& 
   std::vector<double> losses;
   for (int64_t step = 1; step <= f.steps; ++step) {
     at::Tensor loss;
+    const int world_size = world_sizes[step - 1];
     for (int q = 0; q < world_size; ++q) {
       const auto batch = batch_for(corpus, f, step, q, device);
       at::Tensor rank_loss = fsdp::examples::next_token_loss(model(batch.inputs), batch.targets);
@@ -281,6 +296,33 @@ std::vector<double> train_unsharded_reference(const fsdp::examples::CharCorpus& 
     losses.push_back(loss.item<double>());
   }
   return losses;
+}
+
+/// The world size of every step so far, saved with a checkpoint as runs "<ranks>x<steps>" joined by
+/// commas (e.g. "2x50,3x50": 50 steps on 2 ranks, then 50 on 3).
+std::string encode_world_sizes(const std::vector<int>& sizes) {
+  std::string out;
+  for (size_t i = 0; i < sizes.size();) {
+    size_t j = i;
+    while (j < sizes.size() && sizes[j] == sizes[i]) ++j;
+    out += (out.empty() ? "" : ",") + std::to_string(sizes[i]) + "x" + std::to_string(j - i);
+    i = j;
+  }
+  return out;
+}
+
+std::vector<int> decode_world_sizes(const std::string& text) {
+  std::vector<int> sizes;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    const size_t comma = std::min(text.find(',', pos), text.size());
+    const std::string run = text.substr(pos, comma - pos);
+    const size_t x = run.find('x');
+    if (x == std::string::npos) throw std::invalid_argument("bad world size history '" + text + "'");
+    sizes.insert(sizes.end(), std::stoul(run.substr(x + 1)), std::stoi(run.substr(0, x)));
+    pos = comma + 1;
+  }
+  return sizes;
 }
 
 int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
@@ -329,12 +371,30 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
 
   torch::optim::AdamW optim(model->parameters(),
                             torch::optim::AdamWOptions(f.lr).weight_decay(kWeightDecay));
+  // Resuming: model, AdamW state and the step come from the checkpoint (saved on any world size).
+  std::vector<int> world_sizes;  // of every step trained so far, this run's included
+  int64_t first_step = 1;
+  if (!f.resume_dir.empty()) {
+    fsdp::dcp::Extra extra;
+    fsdp::dcp::load(f.resume_dir, units.back(), &optim, &extra);
+    first_step = std::stoll(extra.values.at("step")) + 1;
+    world_sizes = decode_world_sizes(extra.values.at("world_sizes"));
+    if (main_rank) {
+      std::printf("resumed from %s: step %" PRId64 " (trained on %s ranks x steps)\n\n",
+                  f.resume_dir.c_str(), first_step - 1, extra.values.at("world_sizes").c_str());
+    }
+    if (first_step > f.steps) {
+      throw std::invalid_argument("the checkpoint is at step " + std::to_string(first_step - 1) +
+                                  ": --steps must be larger to train further");
+    }
+  }
   std::vector<double> losses;
   StateBytes held;
   StatsSnapshot after_first_step;
   const StatsSnapshot before = snapshot(comm);
   const auto train_start = Clock::now();
-  for (int64_t step = 1; step <= f.steps; ++step) {
+  for (int64_t step = first_step; step <= f.steps; ++step) {
+    world_sizes.push_back(world);
     const auto batch = batch_for(corpus, f, step, rank, device);
     const auto step_start = Clock::now();
     at::Tensor loss = fsdp::examples::next_token_loss(model(batch.inputs), batch.targets);
@@ -343,7 +403,7 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
     if (step == f.steps) held = sharded_bytes(units, optim);  // before zero_grad frees the grads
     optim.zero_grad();
     const double step_seconds = seconds_since(step_start);
-    if (step == 1) after_first_step = snapshot(comm);
+    if (step == first_step) after_first_step = snapshot(comm);
 
     at::Tensor mean_loss = loss.detach().clone();
     metrics.all_reduce(mean_loss, c10d::ReduceOp::AVG).wait();
@@ -356,9 +416,22 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
   }
   const double train_seconds = seconds_since(train_start);
   const StatsSnapshot after = snapshot(comm);
+  const int64_t trained = f.steps - first_step + 1;
+
+  if (!f.save_dir.empty()) {
+    fsdp::dcp::Extra extra;
+    extra.values["step"] = std::to_string(f.steps);
+    extra.values["world_sizes"] = encode_world_sizes(world_sizes);
+    const auto save_start = Clock::now();
+    fsdp::dcp::save(f.save_dir, units.back(), &optim, extra);
+    if (main_rank) {
+      std::printf("\nsaved step %" PRId64 " to %s in %.2f s (every rank wrote its shards)\n", f.steps,
+                  f.save_dir.c_str(), seconds_since(save_start));
+    }
+  }
 
   if (main_rank) {
-    std::printf("\ntrained %" PRId64 " steps in %.1f s\n", f.steps, train_seconds);
+    std::printf("\ntrained %" PRId64 " steps in %.1f s\n", trained, train_seconds);
     std::printf("\nper-rank memory after the last step (rank 0; unsharded = one rank without "
                 "sharding):\n");
     auto row = [](const char* name, int64_t sharded, int64_t unsharded) {
@@ -379,16 +452,16 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
       const auto& start = before.at(kind);
       const auto& first = after_first_step.at(kind);
       if (total.calls == start.calls) continue;
-      const int64_t steady_steps = f.steps > 1 ? f.steps - 1 : 1;
-      const auto& from = f.steps > 1 ? first : start;
+      const int64_t steady_steps = trained > 1 ? trained - 1 : 1;
+      const auto& from = trained > 1 ? first : start;
       std::printf("  %-24s %10.2f %14.0f %18" PRId64 "\n", fsdp::comm::to_string(kind),
                   static_cast<double>(total.calls - from.calls) / steady_steps,
                   static_cast<double>(total.bytes - from.bytes) / steady_steps,
                   first.calls - start.calls);
     }
-    if (f.steps > 1) {
-      std::printf("  (per step over steps 2-%" PRId64 "; step 1 adds lazy initialisation and "
-                  "the sharded-use check)\n", f.steps);
+    if (trained > 1) {
+      std::printf("  (per step over steps %" PRId64 "-%" PRId64 "; step %" PRId64 " adds lazy "
+                  "initialisation and the sharded-use check)\n", first_step + 1, f.steps, first_step);
     } else {
       std::printf("  (the only step, with lazy initialisation and the sharded-use check)\n");
     }
@@ -403,29 +476,32 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
   }
   const auto reference_start = Clock::now();
   const std::vector<double> reference =
-      train_unsharded_reference(corpus, config, f, world, device);
+      train_unsharded_reference(corpus, config, f, world_sizes, device);
+  // This run's steps against the same steps of the reference (which replays the whole run).
   auto relative_difference = [&](size_t i) {
-    return std::abs(losses[i] - reference[i]) / std::abs(reference[i]);
+    const double expected = reference[first_step - 1 + i];
+    return std::abs(losses[i] - expected) / std::abs(expected);
   };
   double max_relative = 0.0;
-  for (size_t i = 0; i < reference.size(); ++i) {
+  for (size_t i = 0; i < losses.size(); ++i) {
     max_relative = std::max(max_relative, relative_difference(i));
   }
-  const double final_relative = relative_difference(reference.size() - 1);
+  const double final_relative = relative_difference(losses.size() - 1);
   const bool agree = final_relative <= kParityTolerance;
   if (main_rank) {
     std::printf(
-        "\nfinal loss: fully_shard %.6f, unsharded reference %.6f (same seed, all %d ranks' "
-        "batches each step, trained in %.1f s)\n"
+        "\nfinal loss: fully_shard %.6f, unsharded reference %.6f (same seed, all ranks' "
+        "batches each step (%s ranks x steps), trained in %.1f s)\n"
         "relative difference %.2e (largest over the %" PRId64 " steps %.2e): %s within %.0e\n",
-        losses.back(), reference.back(), world, seconds_since(reference_start), final_relative,
-        f.steps, max_relative, agree ? "agree" : "DO NOT agree", kParityTolerance);
+        losses.back(), reference.back(), encode_world_sizes(world_sizes).c_str(),
+        seconds_since(reference_start), final_relative, trained, max_relative,
+        agree ? "agree" : "DO NOT agree", kParityTolerance);
     if (!agree) {
       std::printf(
-          "step 1 relative difference %.2e: a difference already there in the first steps "
+          "step %" PRId64 " relative difference %.2e: a difference already there in the first steps "
           "points at wrong sharded gradients; one that starts near 1e-7 and grows step after "
           "step is rounding amplified by unstable training (try a lower --lr)\n",
-          relative_difference(0));
+          first_step, relative_difference(0));
     }
   }
   return agree ? 0 : 1;

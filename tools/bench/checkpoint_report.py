@@ -1,0 +1,68 @@
+"""Summarises tools/checkpoint_benchmark.sh's measurement lines into one table.
+
+usage: checkpoint_report.py RESULTS.txt
+Each line: "<tool> <operation> [W=<n>] key=value ..." with GB/s=<x>; tools: disk (dd), fsdp_dcp
+(this project), python_dcp (torch.distributed.checkpoint: writer/reader "fs" = FileSystemWriter,
+"hf" = HuggingFaceStorageWriter). Medians over the repeats. Ratios: this project's save against the
+disk's fdatasync'd write, its loads against dd's read in the same cache state, and against Python
+DCP's same operation at the same world size (its faster writer).
+"""
+import re
+import statistics
+import sys
+from collections import defaultdict
+
+
+def parse(path):
+    rates = defaultdict(list)
+    extra = defaultdict(list)
+    for line in open(path):
+        parts = line.split()
+        if len(parts) < 2 or "GB/s=" not in line:
+            continue
+        tool = parts[0]
+        fields = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
+        op = " ".join(p for p in parts[1:] if "=" not in p)
+        key = (tool, op, fields.get("W", ""))
+        rates[key].append(float(fields["GB/s"]))
+        if "peak_extra_bytes" in fields:
+            extra[key].append((int(fields["peak_extra_bytes"]), int(fields.get("largest_entry_bytes", 0))))
+    return {k: statistics.median(v) for k, v in rates.items()}, extra
+
+
+def main():
+    rates, extra = parse(sys.argv[1])
+    disk = {op: r for (tool, op, _), r in rates.items() if tool == "disk"}
+    print("disk (dd, same folder): " + ", ".join(f"{op} {r:.3f} GB/s" for op, r in sorted(disk.items())))
+    print()
+    print(f"{'fsdp::dcp':28} {'W':>2} {'GB/s':>7} {'vs disk':>8} {'Python DCP GB/s':>16} {'vs Python':>10} {'peak extra MiB':>15} {'largest entry MiB':>18}")
+    for (tool, op, w), r in sorted(rates.items()):
+        if tool != "fsdp_dcp":
+            continue
+        if op.startswith("save"):
+            d = disk.get("write(dd conv=fdatasync)")
+            py_ops = ["save fs", "save hf"]
+        elif "cold" in op:
+            d = disk.get("read(dd, cold)")
+            py_ops = ["load(cold) fs", "load(cold) hf"]
+        else:
+            d = disk.get("read(dd, page cache warm)")
+            py_ops = ["load fs", "load hf", "load(page cache warm) fs", "load(page cache warm) hf"]
+        py = [rates[("python_dcp", o, w)] for o in py_ops if ("python_dcp", o, w) in rates]
+        best_py = max(py) if py else None
+        ex = extra.get((tool, op, w))
+        peak = max(e[0] for e in ex) / 2**20 if ex else float("nan")
+        largest = ex[0][1] / 2**20 if ex else float("nan")
+        vs_disk = f"{r / d:7.0%}" if d else "    n/a"
+        py_s = f"{best_py:16.3f}" if best_py else f"{'n/a':>16}"
+        vs_py = f"{r / best_py:9.2f}x" if best_py else f"{'n/a':>10}"
+        print(f"{op:28} {w:>2} {r:7.3f} {vs_disk:>8} {py_s} {vs_py} {peak:15.1f} {largest:18.1f}")
+    print()
+    print("Python DCP:")
+    for (tool, op, w), r in sorted(rates.items()):
+        if tool == "python_dcp":
+            print(f"  {op:28} W={w} {r:.3f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
