@@ -20,7 +20,7 @@
 //     number of boxes of one key), so a key appears at most once per file;
 //   - each file's `__metadata__` holds "DCP_SHARDING_INFO" = {key: {"saved_offsets": [...]}}
 //     (a box is its offsets and the entry's shape; a key's global shape is the largest
-//     offset + size per dimension over its boxes), and this project's crc32 checksums;
+//     offset + size per dimension over its boxes), and this project's CRC-32C checksums;
 //   - keys: parameter and buffer FQNs, the optimizer's `state.<fqn>.<name>` and
 //     `param_groups.<fqn>.<hyper>`, and `extra.<name>` for Extra::tensors (written by rank 0);
 //   - `fsdp_checkpoint.json` (the manifest, ignored by other readers; written by rank 0 once every
@@ -73,7 +73,7 @@ struct SaveOptions {
   /// Every rank that holds a shard of the state (for hybrid sharding: the whole mesh). Default:
   /// fsdp::comm::default_process_group().
   TORCH_ARG(std::shared_ptr<comm::Communicator>, communicator) = nullptr;
-  /// The block size of the crc32 checksums (bytes): loading verifies the blocks it reads.
+  /// The block size of the CRC-32C checksums (bytes): loading verifies the blocks it reads.
   TORCH_ARG(int64_t, crc_block_bytes) = int64_t{4} << 20;
 };
 
@@ -81,7 +81,7 @@ struct LoadOptions {
   /// Every rank that loads (for hybrid sharding: the whole mesh). Default:
   /// fsdp::comm::default_process_group().
   TORCH_ARG(std::shared_ptr<comm::Communicator>, communicator) = nullptr;
-  /// Verify the crc32 checksums of every block read (files without checksums are not verified).
+  /// Verify the CRC-32C checksums of every block read (files without checksums are not verified).
   TORCH_ARG(bool, verify_checksums) = true;
   /// Every key of the model (and of the optimizer, when one is passed) must be in the checkpoint.
   /// With false, keys the checkpoint lacks keep their values, and an optimizer is left as it is

@@ -11,7 +11,7 @@
 // `max_file_bytes`, `model-00001-of-0000n.safetensors` ... (filled in order, a new file started
 // before a tensor that would overflow the current one) with `model.safetensors.index.json`
 // (`{"metadata": {"total_size": bytes of all tensors}, "weight_map": {key: file}}`). Every file's
-// metadata has "format": "pt" (which Hugging Face loaders require) and this project's crc32
+// metadata has "format": "pt" (which Hugging Face loaders require) and this project's CRC-32C
 // checksums, verified when loading.
 //
 // `.pt` file: a pickled dict from key to tensor (CPU), as Python's `torch.save(state_dict, path)`

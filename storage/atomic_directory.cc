@@ -9,7 +9,11 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <atomic>
 #include <filesystem>
+#include <mutex>
+#include <thread>
+#include <vector>
 #include <system_error>
 
 #include <c10/util/Exception.h>
@@ -123,6 +127,53 @@ void fsync_directory(const std::string& dir) { fsync_path(dir, O_RDONLY | O_DIRE
 // EOPNOTSUPP), `dir` is renamed to "<dir>.old", then `tmp` to `dir`: between the two renames
 // `dir` does not exist (the previous contents stay whole at "<dir>.old" until the new ones are in
 // place, then are removed).
+namespace {
+
+// Folders replaced by a commit, being removed in the background: removing a large checkpoint's
+// files takes a while on some filesystems, and the new checkpoint is in place already. The threads
+// are joined by wait_for_discarded_directories() and at exit.
+struct Discarder {
+  std::mutex mutex;
+  std::vector<std::thread> threads;
+  ~Discarder() { join(); }
+  void join() {
+    std::vector<std::thread> running;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      running.swap(threads);
+    }
+    for (auto& t : running) t.join();
+  }
+};
+
+Discarder& discarder() {
+  static Discarder instance;
+  return instance;
+}
+
+// Moves `path` out of the way under a name of its own (so the temporary folder's name is free at
+// once for the next save) and removes it in the background; if the rename fails, removes it now.
+void discard_directory(const std::string& path, const std::string& target) {
+  static std::atomic<uint64_t> counter{0};
+  const fs::path t(target);
+  const std::string trash = (t.parent_path() / ("." + t.filename().string() + ".replaced-" +
+                                                std::to_string(::getpid()) + "-" + std::to_string(counter++)))
+                                .string();
+  if (::rename(path.c_str(), trash.c_str()) != 0) {
+    remove_tree(path, "commit_directory");
+    return;
+  }
+  std::lock_guard<std::mutex> lock(discarder().mutex);
+  discarder().threads.emplace_back([trash] {
+    std::error_code ec;
+    fs::remove_all(trash, ec);  // best effort: a leftover hidden folder is harmless
+  });
+}
+
+}  // namespace
+
+void wait_for_discarded_directories() { discarder().join(); }
+
 void commit_directory(const std::string& tmp, const std::string& dir) {
   const std::string target = strip_trailing_slashes(dir);
   TORCH_CHECK(is_directory(tmp), "commit_directory: the temporary directory '", tmp,
@@ -139,7 +190,7 @@ void commit_directory(const std::string& tmp, const std::string& dir) {
     const int err = rename_exchange(tmp, target);
     if (err == 0) {
       // `tmp` now holds the previous contents of `dir`.
-      remove_tree(tmp, "commit_directory");
+      discard_directory(tmp, target);
     } else {
       TORCH_CHECK(err == EINVAL || err == ENOSYS || err == EOPNOTSUPP, "commit_directory: exchanging '", tmp,
                   "' with '", dir, "' failed: ", error_text(err));

@@ -23,12 +23,16 @@ void create_directories(const std::string& dir);
 void fsync_file(const std::string& path);
 void fsync_directory(const std::string& dir);
 /// fsyncs `tmp`, then makes it `dir`: an atomic rename when `dir` does not exist, else an atomic
-/// exchange (renameat2 RENAME_EXCHANGE) followed by removing the old contents; fsyncs the parent.
+/// exchange (renameat2 RENAME_EXCHANGE), after which the old contents are renamed to a hidden
+/// sibling `.<name>.replaced-<pid>-<n>` and removed by a background thread (a process killed
+/// meanwhile leaves that folder behind); fsyncs the parent.
 /// `dir`, if it exists, must be a directory. On a filesystem without RENAME_EXCHANGE the
 /// previous `dir` is renamed to "<dir>.old", `tmp` to `dir`, and "<dir>.old" removed: between the
 /// two renames `dir` is missing (the previous contents are whole at "<dir>.old").
 /// Errors are a c10::Error naming both paths.
 void commit_directory(const std::string& tmp, const std::string& dir);
+/// Waits until the folders replaced by commit_directory are removed (also done at exit).
+void wait_for_discarded_directories();
 /// Regular files of `dir` (names only, sorted; subdirectories are not listed).
 std::vector<std::string> list_files(const std::string& dir);
 bool exists(const std::string& path);

@@ -5,11 +5,11 @@
 // each entry row-major, offsets relative to the end of the header.
 //
 // Checksums (this project's addition, ignored by other readers): `__metadata__` holds
-// "FSDP_CRC32_BLOCK" (bytes, decimal) and "FSDP_CRC32", a JSON object from key to the list of the
-// zlib crc32 of each block of that entry's bytes (the last block may be shorter; an empty entry
+// "FSDP_CRC32C_BLOCK" (bytes, decimal) and "FSDP_CRC32C", a JSON object from key to the list of
+// the CRC-32C (storage/crc32c.h) of each block of that entry's bytes (the last block may be shorter; an empty entry
 // has an empty list), each written as 8 lowercase hexadecimal digits, so a reader that needs part
 // of an entry verifies only the blocks it reads. Both values are JSON strings, as safetensors
-// requires of metadata: `"FSDP_CRC32": "{\"w\":[\"1a2b3c4d\",\"00ff00ff\"]}"`.
+// requires of metadata: `"FSDP_CRC32C": "{\"w\":[\"1a2b3c4d\",\"00ff00ff\"]}"`.
 //
 // Files of the `safetensors` Python package and of torch.distributed.checkpoint's
 // HuggingFaceStorageWriter (whose "DCP_SHARDING_INFO" metadata is kept in `metadata`) are read
@@ -19,7 +19,7 @@
 //   fsdp::storage::write_safetensors(path, {{"w", w}, {"b", b}}, {{"format", "pt"}});
 //   fsdp::storage::SafetensorsFile f(path);     // header parsed and checked
 //   f.read(f.header().at("w"), 0, 64, dst);      // bytes [0, 64) of entry "w" (pread)
-//   f.verify(f.header().at("w"), 0, 64);         // crc32 of the blocks covering them
+//   f.verify(f.header().at("w"), 0, 64);         // CRC-32C of the blocks covering them
 
 #include <cstdint>
 #include <map>
@@ -36,8 +36,8 @@ namespace fsdp::storage {
 std::string safetensors_dtype_name(c10::ScalarType dtype);
 c10::ScalarType scalar_type_from_safetensors(const std::string& name, const std::string& context);
 
-inline constexpr const char* kCrcBlockKey = "FSDP_CRC32_BLOCK";
-inline constexpr const char* kCrcKey = "FSDP_CRC32";
+inline constexpr const char* kCrcBlockKey = "FSDP_CRC32C_BLOCK";
+inline constexpr const char* kCrcKey = "FSDP_CRC32C";
 inline constexpr int64_t kDefaultCrcBlockBytes = int64_t{4} << 20;
 
 struct SafetensorsEntry {
@@ -46,7 +46,7 @@ struct SafetensorsEntry {
   std::vector<int64_t> shape;
   int64_t data_begin = 0;  // bytes, relative to the start of the data section
   int64_t data_end = 0;
-  std::vector<uint32_t> crc32;  // per block of `crc_block_bytes` (empty: the file has no checksums)
+  std::vector<uint32_t> crc32c;  // per block of `crc_block_bytes` (empty: the file has no checksums)
   int64_t nbytes() const { return data_end - data_begin; }
   int64_t numel() const;
 };
@@ -99,7 +99,8 @@ class SafetensorsFile {
   void read(const SafetensorsEntry& entry, int64_t begin, int64_t end, void* dst) const;
   /// The whole entry as a CPU tensor of its dtype and shape.
   at::Tensor read_tensor(const SafetensorsEntry& entry) const;
-  /// Reads the checksum blocks of `entry` covering bytes [begin, end) and compares their crc32;
+  /// Checksums the blocks of `entry` covering bytes [begin, end) (in a read-only mapping of the
+  /// file, or read through a bounded buffer where it cannot be mapped) against their CRC-32C;
   /// a mismatch is a c10::Error naming the file, the key and the block. No-op without checksums.
   void verify(const SafetensorsEntry& entry, int64_t begin, int64_t end) const;
 

@@ -44,7 +44,7 @@ dd_rate() { awk '/copied/ { for (i = 1; i <= NF; ++i) if ($i == "bytes") b = $(i
 count=$((size_mb / 4))
 for r in $(seq "$repeats"); do
   w=$(dd if=/dev/zero of="$dir/dd.bin" bs=4M count="$count" conv=fdatasync 2>&1 | dd_rate)
-  echo "disk write(dd conv=fdatasync) GB/s=$w" | tee -a "$results"
+  echo "disk write(dd,fdatasync) GB/s=$w" | tee -a "$results"
   if drop_caches; then
     rc=$(dd if="$dir/dd.bin" of=/dev/null bs=4M 2>&1 | dd_rate)
     echo "disk read(dd, cold) GB/s=$rc" | tee -a "$results"

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 
 log() { echo "[setup] $*"; }
 
-debs=(bazel-bootstrap bazel-rules-java catch2 libopenmpi-dev openmpi-bin python3 nlohmann-json3-dev zlib1g-dev)
+debs=(bazel-bootstrap bazel-rules-java catch2 libopenmpi-dev openmpi-bin python3 nlohmann-json3-dev)
 missing=()
 for pkg in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

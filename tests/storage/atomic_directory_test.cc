@@ -129,6 +129,9 @@ TEST_CASE("commit_directory over an existing target replaces it whole", "[storag
 
   CHECK_FALSE(fs::exists(tmp));
   CHECK_FALSE(fs::exists(target + ".old"));
+  // The old contents went to a hidden folder that a background thread removes.
+  storage::wait_for_discarded_directories();
+  CHECK(std::distance(fs::directory_iterator(dir), fs::directory_iterator()) == 1);
   CHECK(storage::list_files(target) == std::vector<std::string>{"a", "b"});
   CHECK_FALSE(fs::exists(target + "/old_subdir"));
   CHECK(slurp(target + "/a") == "new a");

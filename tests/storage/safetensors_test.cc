@@ -1,5 +1,5 @@
 // safetensors: round trips of every dtype (0-d, empty, non-contiguous tensors, metadata), the file's
-// bytes and checksums against an independent parse (nlohmann + zlib over the raw file), partial and
+// bytes and checksums against an independent parse (nlohmann and a bit-by-bit CRC-32C over the raw file), partial and
 // concurrent reads, corruption and malformed headers refused with messages naming file and key,
 // and files written by Python (the `safetensors` package and torch.distributed.checkpoint).
 #include "storage/safetensors.h"
@@ -23,7 +23,6 @@
 #include <ATen/ops/randn.h>
 #include <ATen/ops/zeros.h>
 #include <nlohmann/json.hpp>
-#include <zlib.h>
 
 // Last: LibTorch's c10/util/Logging.h defines its own CHECK, and the last definition wins.
 #include <catch2/catch.hpp>
@@ -121,11 +120,22 @@ std::vector<SafetensorsItem> every_dtype() {
   return items;
 }
 
-std::vector<uint32_t> zlib_block_crcs(const std::string& bytes, size_t block) {
+// CRC-32C bit by bit, straight from the definition (reflected polynomial 0x82F63B78): the
+// reference the library's table and instruction paths are checked against.
+uint32_t reference_crc32c(const unsigned char* p, size_t n) {
+  uint32_t c = 0xFFFFFFFFu;
+  for (size_t i = 0; i < n; ++i) {
+    c ^= p[i];
+    for (int k = 0; k < 8; ++k) c = (c >> 1) ^ ((c & 1u) ? 0x82F63B78u : 0u);
+  }
+  return ~c;
+}
+
+std::vector<uint32_t> reference_block_crcs(const std::string& bytes, size_t block) {
   std::vector<uint32_t> out;
   for (size_t at = 0; at < bytes.size(); at += block) {
     const size_t n = std::min(block, bytes.size() - at);
-    out.push_back(static_cast<uint32_t>(crc32(0L, reinterpret_cast<const Bytef*>(bytes.data() + at), n)));
+    out.push_back(reference_crc32c(reinterpret_cast<const unsigned char*>(bytes.data() + at), n));
   }
   return out;
 }
@@ -176,7 +186,7 @@ TEST_CASE("every dtype round-trips, with the bytes and checksums of the raw file
   for (const auto& item : items) {
     INFO(item.key);
     std::vector<std::string> expected;
-    for (uint32_t c : zlib_block_crcs(bytes_of(item.tensor), 8)) {
+    for (uint32_t c : reference_block_crcs(bytes_of(item.tensor), 8)) {
       char hex[9];
       std::snprintf(hex, sizeof(hex), "%08x", c);
       expected.push_back(hex);
@@ -201,7 +211,7 @@ TEST_CASE("every dtype round-trips, with the bytes and checksums of the raw file
     CHECK(e.dtype == item.tensor.scalar_type());
     CHECK(e.shape == item.tensor.sizes().vec());
     CHECK(e.numel() == item.tensor.numel());
-    CHECK(e.crc32 == zlib_block_crcs(bytes_of(item.tensor), 8));
+    CHECK(e.crc32c == reference_block_crcs(bytes_of(item.tensor), 8));
     const auto t = file.read_tensor(e);
     CHECK(t.device().is_cpu());
     CHECK(t.scalar_type() == item.tensor.scalar_type());
@@ -250,10 +260,10 @@ TEST_CASE("an entry spanning several checksum blocks: partial reads and verifica
   storage::write_safetensors(path, {{"a", a}, {"b", b}, {"c", c}}, {}, /*crc_block_bytes=*/16);
   SafetensorsFile file(path);
   const auto& eb = file.header().at("b");
-  REQUIRE(eb.crc32.size() == 25);
-  CHECK(file.header().at("a").crc32.size() == 1);
-  CHECK(file.header().at("c").crc32.size() == 4);
-  CHECK(eb.crc32 == zlib_block_crcs(bytes_of(b), 16));
+  REQUIRE(eb.crc32c.size() == 25);
+  CHECK(file.header().at("a").crc32c.size() == 1);
+  CHECK(file.header().at("c").crc32c.size() == 4);
+  CHECK(eb.crc32c == reference_block_crcs(bytes_of(b), 16));
 
   // Partial reads: elements [37, 61) of b.
   std::vector<int32_t> part(24);
@@ -290,7 +300,7 @@ TEST_CASE("large entries with the default block size and concurrent reads", "[st
   SafetensorsFile file(path);
   const auto& eb = file.header().at("big");
   CHECK(file.header().crc_block_bytes == storage::kDefaultCrcBlockBytes);
-  CHECK(eb.crc32 == zlib_block_crcs(bytes_of(big), storage::kDefaultCrcBlockBytes));
+  CHECK(eb.crc32c == reference_block_crcs(bytes_of(big), storage::kDefaultCrcBlockBytes));
   file.verify(eb, 0, eb.nbytes());
 
   // Eight threads read interleaved slices of "big"; assertions on the main thread.
@@ -331,7 +341,7 @@ TEST_CASE("files without checksums: verify is a no-op", "[storage][safetensors]"
   spit(path, bytes);
   SafetensorsFile file(path);
   CHECK(file.header().crc_block_bytes == 0);
-  CHECK(file.header().at("w").crc32.empty());
+  CHECK(file.header().at("w").crc32c.empty());
   file.verify(file.header().at("w"), 0, 40);
 }
 
@@ -407,16 +417,16 @@ TEST_CASE("malformed headers are refused with the reason", "[storage][safetensor
   CHECK_THAT(refused(R"({"__metadata__": {"n": 3}, "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})",
                      data16),
              Contains("metadata 'n' must be a string"));
-  CHECK_THAT(refused(R"({"__metadata__": {"FSDP_CRC32_BLOCK": "8", "FSDP_CRC32": "{\"a\": [\"00000000\"]}"},
+  CHECK_THAT(refused(R"({"__metadata__": {"FSDP_CRC32C_BLOCK": "8", "FSDP_CRC32C": "{\"a\": [\"00000000\"]}"},
                          "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})",
                      data16),
              Contains("entry 'a' of 16 bytes needs 2 checksums"));
-  CHECK_THAT(refused(R"({"__metadata__": {"FSDP_CRC32_BLOCK": "8"},
+  CHECK_THAT(refused(R"({"__metadata__": {"FSDP_CRC32C_BLOCK": "8"},
                          "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})",
                      data16),
-             Contains("without 'FSDP_CRC32'"));
+             Contains("without 'FSDP_CRC32C'"));
   // The same header with a valid checksum list is accepted: the checks above are the only reasons.
-  CHECK(refused(R"({"__metadata__": {"FSDP_CRC32_BLOCK": "8", "FSDP_CRC32": "{\"a\": [\"00000000\", \"00000000\"]}"},
+  CHECK(refused(R"({"__metadata__": {"FSDP_CRC32C_BLOCK": "8", "FSDP_CRC32C": "{\"a\": [\"00000000\", \"00000000\"]}"},
                     "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})",
                 data16) == "accepted");
 }

@@ -8,9 +8,12 @@
 // Prints one line per measurement (rank 0), e.g.
 //   fsdp_dcp save W=2 bytes=302006272 seconds=0.51 GB/s=0.59
 // Throughput is the checkpoint's bytes (every rank's shards together) over the wall time of the
-// whole collective call (barrier to barrier), fsync and commit included. Memory: the CPU
-// allocator's peak over the call minus the bytes live before it (the sharded state), on rank 0,
-// next to the largest single entry; save_async copies the whole sharded state by design.
+// whole collective call (barrier to barrier), fsync and commit included. Memory, on rank 0, next to
+// the largest single entry: peak_extra_bytes = LibTorch's CPU allocator's peak over the call minus
+// the bytes live before it (the sharded state); rss_extra_bytes = the process's resident-set high
+// water mark over the call (reset through /proc/self/clear_refs) minus its resident set before,
+// which also counts malloc'ed buffers, thread stacks and mapped file pages. save_async copies the
+// whole sharded state by design.
 
 #include <chrono>
 #include <cinttypes>
@@ -64,6 +67,26 @@ bool drop_page_cache() {
   return static_cast<bool>(f);
 }
 
+// Resident set now and its high-water mark (kB lines of /proc/self/status), in bytes.
+int64_t status_bytes(const char* field) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  const std::string prefix = std::string(field) + ":";
+  while (std::getline(f, line)) {
+    if (line.rfind(prefix, 0) == 0) return std::stoll(line.substr(prefix.size())) * 1024;
+  }
+  return -1;
+}
+
+// Restarts the high-water mark at the current resident set (Linux >= 4.0); false if not allowed.
+bool reset_rss_peak() {
+  std::ofstream f("/proc/self/clear_refs");
+  if (!f) return false;
+  f << "5\n";
+  f.flush();
+  return static_cast<bool>(f);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -90,32 +113,40 @@ int main(int argc, char** argv) {
   for (int64_t i = 0; i < layers; ++i) total_bytes += layer_bytes;
   const int64_t largest_entry = kDim * kDim * 4;
 
-  auto report = [&](const char* what, double seconds, int64_t extra_peak) {
+  struct Measure {
+    double seconds = 0;
+    int64_t peak_extra = 0;
+    int64_t rss_extra = -1;
+  };
+  auto report = [&](const char* what, const Measure& m) {
     if (!main_rank) return;
     std::printf("fsdp_dcp %s W=%d bytes=%" PRId64 " seconds=%.4f GB/s=%.3f peak_extra_bytes=%" PRId64
-                " largest_entry_bytes=%" PRId64 "\n",
-                what, W, total_bytes, seconds, static_cast<double>(total_bytes) / seconds / 1e9, extra_peak,
-                largest_entry);
+                " rss_extra_bytes=%" PRId64 " largest_entry_bytes=%" PRId64 "\n",
+                what, W, total_bytes, m.seconds, static_cast<double>(total_bytes) / m.seconds / 1e9, m.peak_extra,
+                m.rss_extra, largest_entry);
     std::fflush(stdout);
   };
   auto timed = [&](const std::function<void()>& fn) {
+    Measure m;
     comm.barrier();
     alloc.mark();
+    const bool rss = reset_rss_peak();
+    const int64_t rss_before = status_bytes("VmRSS");
     const auto start = Clock::now();
     fn();
     comm.barrier();
-    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-    return std::pair<double, int64_t>(seconds, alloc.peak_since_mark());
+    m.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    m.peak_extra = alloc.peak_since_mark();
+    if (rss) m.rss_extra = status_bytes("VmHWM") - rss_before;
+    return m;
   };
 
   const std::string dir = f.dir + "/ckpt";
   for (int r = 0; r < f.repeats; ++r) {
-    auto [s, peak] = timed([&] { fsdp::dcp::save(dir, root); });
-    report("save", s, peak);
+    report("save", timed([&] { fsdp::dcp::save(dir, root); }));
   }
   for (int r = 0; r < f.repeats; ++r) {
-    auto [s, peak] = timed([&] { fsdp::dcp::load(dir, root); });
-    report("load(page cache warm)", s, peak);
+    report("load(page cache warm)", timed([&] { fsdp::dcp::load(dir, root); }));
   }
   if (f.drop_caches) {
     for (int r = 0; r < f.repeats; ++r) {
@@ -126,19 +157,17 @@ int main(int argc, char** argv) {
         if (main_rank) std::printf("fsdp_dcp load(cold) W=%d skipped: cannot write /proc/sys/vm/drop_caches\n", W);
         break;
       }
-      auto [s, peak] = timed([&] { fsdp::dcp::load(dir, root); });
-      report("load(cold)", s, peak);
+      report("load(cold)", timed([&] { fsdp::dcp::load(dir, root); }));
     }
   }
   for (int r = 0; r < f.repeats; ++r) {
     double blocking = 0;
-    auto [s, peak] = timed([&] {
-      const auto start = Clock::now();
-      auto pending = fsdp::dcp::save_async(dir, root);
-      blocking = std::chrono::duration<double>(Clock::now() - start).count();
-      pending.wait();
-    });
-    report("save_async(total)", s, peak);
+    report("save_async(total)", timed([&] {
+             const auto start = Clock::now();
+             auto pending = fsdp::dcp::save_async(dir, root);
+             blocking = std::chrono::duration<double>(Clock::now() - start).count();
+             pending.wait();
+           }));
     if (main_rank) std::printf("fsdp_dcp save_async(blocking part) W=%d seconds=%.4f\n", W, blocking);
   }
   return 0;

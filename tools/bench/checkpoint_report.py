@@ -26,7 +26,8 @@ def parse(path):
         key = (tool, op, fields.get("W", ""))
         rates[key].append(float(fields["GB/s"]))
         if "peak_extra_bytes" in fields:
-            extra[key].append((int(fields["peak_extra_bytes"]), int(fields.get("largest_entry_bytes", 0))))
+            extra[key].append((int(fields["peak_extra_bytes"]), int(fields.get("rss_extra_bytes", -1)),
+                               int(fields.get("largest_entry_bytes", 0))))
     return {k: statistics.median(v) for k, v in rates.items()}, extra
 
 
@@ -35,12 +36,13 @@ def main():
     disk = {op: r for (tool, op, _), r in rates.items() if tool == "disk"}
     print("disk (dd, same folder): " + ", ".join(f"{op} {r:.3f} GB/s" for op, r in sorted(disk.items())))
     print()
-    print(f"{'fsdp::dcp':28} {'W':>2} {'GB/s':>7} {'vs disk':>8} {'Python DCP GB/s':>16} {'vs Python':>10} {'peak extra MiB':>15} {'largest entry MiB':>18}")
+    print(f"{'fsdp::dcp':28} {'W':>2} {'GB/s':>7} {'vs disk':>8} {'Python DCP GB/s':>16} {'vs Python':>10} "
+          f"{'alloc extra MiB':>15} {'RSS extra MiB':>14} {'largest entry MiB':>18}")
     for (tool, op, w), r in sorted(rates.items()):
         if tool != "fsdp_dcp":
             continue
         if op.startswith("save"):
-            d = disk.get("write(dd conv=fdatasync)")
+            d = disk.get("write(dd,fdatasync)")
             py_ops = ["save fs", "save hf"]
         elif "cold" in op:
             d = disk.get("read(dd, cold)")
@@ -52,11 +54,17 @@ def main():
         best_py = max(py) if py else None
         ex = extra.get((tool, op, w))
         peak = max(e[0] for e in ex) / 2**20 if ex else float("nan")
-        largest = ex[0][1] / 2**20 if ex else float("nan")
+        rss = max(e[1] for e in ex) / 2**20 if ex and min(e[1] for e in ex) >= 0 else float("nan")
+        largest = ex[0][2] / 2**20 if ex else float("nan")
         vs_disk = f"{r / d:7.0%}" if d else "    n/a"
         py_s = f"{best_py:16.3f}" if best_py else f"{'n/a':>16}"
         vs_py = f"{r / best_py:9.2f}x" if best_py else f"{'n/a':>10}"
-        print(f"{op:28} {w:>2} {r:7.3f} {vs_disk:>8} {py_s} {vs_py} {peak:15.1f} {largest:18.1f}")
+        print(f"{op:28} {w:>2} {r:7.3f} {vs_disk:>8} {py_s} {vs_py} {peak:15.1f} {rss:14.1f} {largest:18.1f}")
+    print()
+    blocking = [l for l in open(sys.argv[1]) if "save_async(blocking part)" in l]
+    if blocking:
+        print("save_async, time the call blocks training: " + "; ".join(
+            f"{l.split()[2]} {l.split('seconds=')[1].strip()} s" for l in blocking))
     print()
     print("Python DCP:")
     for (tool, op, w), r in sorted(rates.items()):
