@@ -5,7 +5,8 @@
 # size 2, per-rank memory counted by a CPU allocator (the peak over a whole training step for local
 # training and for fully_shard against the ZeRO-3 expectation, and the steady state), and bytes
 # communicated per step, each against its formula. Prints the tables, writes JSON and renders a PNG
-# chart (tools/bench/README.md says what each figure measures).
+# chart (tools/bench/README.md says what each figure measures). Then the checkpoint benchmark
+# (tools/checkpoint_benchmark.sh: save/load throughput and memory next to dd and Python DCP).
 #
 #   tools/benchmark.sh [--out PATH.json] [--quick]
 #
@@ -27,7 +28,7 @@ while [ $# -gt 0 ]; do
     --out) out="$2"; shift 2 ;;
     --out=*) out="${1#--out=}"; shift ;;
     --quick) quick=1; shift ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "benchmark.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -110,3 +111,7 @@ python3 tools/bench/torch_bench.py --init "$init" --out "$outdir/py_w2.json" --w
 
 log "runs took $((SECONDS - start)) s; load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
 python3 tools/bench/report.py --dir "$outdir" --out "$out" --png "$png"
+
+# Checkpoints: fsdp::dcp save/load throughput and memory against dd and Python DCP (its own table).
+log "checkpoints: tools/checkpoint_benchmark.sh -> $outdir/checkpoint.txt"
+tools/checkpoint_benchmark.sh --repeats "$([ "$quick" = 1 ] && echo 1 || echo 3)" --out "$outdir/checkpoint.txt"

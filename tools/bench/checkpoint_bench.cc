@@ -3,7 +3,7 @@
 // tools/checkpoint_benchmark.sh puts the figures next to the disk's own bandwidth (dd) and Python
 // DCP's save/load of the same bytes.
 //
-//   checkpoint_bench --dir DIR [--size-mb 300] [--repeats 3] [--drop-caches 0|1]
+//   checkpoint_bench --dir DIR [--size-mb 300 (MiB)] [--repeats 3] [--drop-caches 0|1]
 //
 // Prints one line per measurement (rank 0), e.g.
 //   fsdp_dcp save W=2 bytes=302006272 seconds=0.51 GB/s=0.59
@@ -99,7 +99,7 @@ int main(int argc, char** argv) {
 
   constexpr int64_t kDim = 2048;
   const int64_t layer_bytes = (kDim * kDim + kDim) * 4;
-  const int64_t layers = std::max<int64_t>(1, f.size_mb * 1000 * 1000 / layer_bytes);
+  const int64_t layers = std::max<int64_t>(1, f.size_mb * (int64_t{1} << 20) / layer_bytes);
   torch::manual_seed(0);
   fsdp::contract::Sequential model;
   std::vector<fsdp::contract::Linear> linears;
