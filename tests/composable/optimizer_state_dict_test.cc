@@ -28,6 +28,8 @@ namespace {
 using Catch::Matchers::Contains;
 using fsdp::testing::MlpStack;
 using fsdp::testing::rank;
+using fsdp::testing::error_of;
+using fsdp::testing::same_on_every_rank;
 using fsdp::testing::world;
 using fsdp::testing::world_size;
 using Dict = torch::OrderedDict<std::string, at::Tensor>;
@@ -125,23 +127,6 @@ Dict model_state(torch::nn::Module& m) {
 
 Dict everywhere(const fsdp::FSDPModule& root) {
   return fsdp::full_state_dict(root, fsdp::FullStateDictOptions().rank0_only(false));
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
-
-bool same_on_every_rank(const std::string& s) {
-  const auto all = world().all_gather_bytes(std::vector<uint8_t>(s.begin(), s.end()));
-  for (const auto& bytes : all) {
-    if (std::string(bytes.begin(), bytes.end()) != s) return false;
-  }
-  return true;
 }
 
 // A sharded model with its optimizer, and the unsharded reference with its own.

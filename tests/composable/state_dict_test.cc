@@ -23,6 +23,8 @@ namespace {
 
 using Catch::Matchers::Contains;
 using fsdp::testing::rank;
+using fsdp::testing::error_of;
+using fsdp::testing::same_on_every_rank;
 using fsdp::testing::world;
 using fsdp::testing::world_size;
 using Dict = torch::OrderedDict<std::string, at::Tensor>;
@@ -56,25 +58,6 @@ fsdp::testing::MlpStack make_stack(uint64_t seed) {
   auto model = fsdp::testing::MlpStack(6, 8, 16, 2, 3);
   model->register_buffer("running", at::randn({5}));
   return model;
-}
-
-// The message every rank got from `fn` (which must throw on every rank).
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
-
-// Whether every rank got the same string.
-bool same_on_every_rank(const std::string& s) {
-  const auto all = world().all_gather_bytes(std::vector<uint8_t>(s.begin(), s.end()));
-  for (const auto& bytes : all) {
-    if (std::string(bytes.begin(), bytes.end()) != s) return false;
-  }
-  return true;
 }
 
 }  // namespace

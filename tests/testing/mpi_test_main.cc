@@ -14,6 +14,7 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
+#include <c10/util/Exception.h>
 
 #include "comm/mpi_backend.h"
 #include "comm/mpi_runtime.h"
@@ -75,6 +76,23 @@ int world_size() { return g_world->size(); }
 std::string shared_tmpdir() {
   const char* dir = std::getenv("FSDP_TEST_TMPDIR");
   return dir != nullptr ? dir : "/tmp";
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "(no error)";
+}
+
+bool same_on_every_rank(const std::string& s) {
+  const auto all = world().all_gather_bytes(std::vector<uint8_t>(s.begin(), s.end()));
+  for (const auto& bytes : all) {
+    if (std::string(bytes.begin(), bytes.end()) != s) return false;
+  }
+  return true;
 }
 
 void run_on_all_ranks(void (*body)()) {

@@ -17,6 +17,7 @@
 // Build with fsdp_mpi_test (tests/testing/testing.bzl), which launches the binary on 1, 2, 3 and 4
 // ranks.
 
+#include <functional>
 #include <string>
 
 #include "comm/communicator.h"
@@ -33,6 +34,11 @@ int world_size();
 
 /// A folder shared by all ranks of this launch, removed after it (FSDP_TEST_TMPDIR).
 std::string shared_tmpdir();
+
+/// The message of the c10::Error `fn` throws ("(no error)" if it returns).
+std::string error_of(const std::function<void()>& fn);
+/// Whether every rank of the launch passed the same string (collective).
+bool same_on_every_rank(const std::string& s);
 
 /// Runs `body`, then exchanges pass/fail across ranks (see above).
 void run_on_all_ranks(void (*body)());
