@@ -63,8 +63,12 @@ def main():
     print()
     blocking = [l for l in open(sys.argv[1]) if "save_async(blocking part)" in l]
     if blocking:
-        print("save_async, time the call blocks training: " + "; ".join(
-            f"{l.split()[2]} {l.split('seconds=')[1].strip()} s" for l in blocking))
+        parts = []
+        for line in blocking:
+            w = re.search(r"W=(\d+)", line).group(1)
+            seconds = float(re.search(r"seconds=([0-9.]+)", line).group(1))
+            parts.append(f"W={w} {seconds:.3f} s")
+        print("save_async, time the call blocks training (the host copy): " + "; ".join(parts))
     print()
     print("Python DCP:")
     for (tool, op, w), r in sorted(rates.items()):
