@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <unistd.h>
@@ -141,9 +142,19 @@ int main(int argc, char** argv) {
     return m;
   };
 
+  // Saves into new folders (step-N checkpoints), then over one folder (a "latest" checkpoint: the
+  // replaced one is removed in the background while the next is written).
   const std::string dir = f.dir + "/ckpt";
   for (int r = 0; r < f.repeats; ++r) {
-    report("save", timed([&] { fsdp::dcp::save(dir, root); }));
+    const std::string fresh = f.dir + "/step-" + std::to_string(r);
+    report("save(new folder)", timed([&] { fsdp::dcp::save(fresh, root); }));
+  }
+  for (int r = 0; r < f.repeats; ++r) {
+    if (main_rank) std::filesystem::remove_all(f.dir + "/step-" + std::to_string(r));
+  }
+  comm.barrier();
+  for (int r = 0; r < f.repeats; ++r) {
+    report("save(replacing)", timed([&] { fsdp::dcp::save(dir, root); }));
   }
   for (int r = 0; r < f.repeats; ++r) {
     report("load(page cache warm)", timed([&] { fsdp::dcp::load(dir, root); }));
