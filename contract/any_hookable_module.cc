@@ -9,8 +9,9 @@ c10::IValue AnyHookableModule::forward_ivalues(const ForwardArgs& args) const {
               " cannot be called through its hooks: expected one non-template, non-overloaded, "
               "non-const forward whose argument and output types are forward values, or a "
               "`c10::IValue forward_ivalues(const ForwardArgs&)` member; got neither");
+  // A copy of this holder: forward wrappers may keep the function to run forward again later.
   return run_forward_ivalues(*module_, args,
-                             [this](const ForwardArgs& a) { return invoke_(*this, a); });
+                             [self = *this](const ForwardArgs& a) { return self.invoke_(self, a); });
 }
 
 const std::shared_ptr<torch::nn::Module>& AnyHookableModule::ptr() const {

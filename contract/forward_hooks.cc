@@ -109,7 +109,8 @@ class ForwardHookTable {
     auto has_id = [id](const auto& entry) { return entry.id == id; };
     return std::any_of(lists.pre.begin(), lists.pre.end(), has_id) ||
            std::any_of(lists.post.begin(), lists.post.end(), has_id) ||
-           std::any_of(lists.exception.begin(), lists.exception.end(), has_id);
+           std::any_of(lists.exception.begin(), lists.exception.end(), has_id) ||
+           std::any_of(lists.wrap.begin(), lists.wrap.end(), has_id);
   }
 
   uint64_t checkpoint() {
@@ -135,6 +136,10 @@ class ForwardHookTable {
                                                                    const ForwardExceptionHook*) {
     return lists.exception;
   }
+  static std::vector<ForwardHookLists::WrapperEntry>& select(ForwardHookLists& lists,
+                                                             const ForwardWrapper*) {
+    return lists.wrap;
+  }
 
   template <typename Predicate>
   void remove_if_locked(const torch::nn::Module* module, Predicate should_remove,
@@ -158,8 +163,10 @@ class ForwardHookTable {
     drop(lists->pre);
     drop(lists->post);
     drop(lists->exception);
+    drop(lists->wrap);
     graveyard.push_back(std::move(slot.lists));
-    if (lists->pre.empty() && lists->post.empty() && lists->exception.empty()) {
+    if (lists->pre.empty() && lists->post.empty() && lists->exception.empty() &&
+        lists->wrap.empty()) {
       slots_.erase(it);
     } else {
       slot.lists = std::move(lists);
@@ -206,6 +213,16 @@ void run_forward_post_hooks(const ForwardHookLists& hooks, torch::nn::Module& mo
   for (const auto& entry : hooks.post) {
     (*entry.hook)(module, args, output);
   }
+}
+
+ForwardFunction wrap_forward(const ForwardHookLists& hooks, torch::nn::Module& module,
+                             ForwardFunction forward) {
+  for (auto it = hooks.wrap.rbegin(); it != hooks.wrap.rend(); ++it) {
+    forward = [wrapper = it->hook, m = &module, inner = std::move(forward)](const ForwardArgs& args) {
+      return (*wrapper)(*m, args, inner);
+    };
+  }
+  return forward;
 }
 
 void run_forward_exception_hooks(const ForwardHookLists& hooks, torch::nn::Module& module,
@@ -284,6 +301,17 @@ size_t num_forward_exception_hooks(const torch::nn::Module& module) {
   return hooks ? hooks->exception.size() : 0;
 }
 
+RemovableHandle register_forward_wrapper(torch::nn::Module& module, ForwardWrapper wrapper,
+                                         bool prepend) {
+  return detail::ForwardHookTable::instance().add(module, std::move(wrapper), prepend,
+                                                  "forward_wrapper");
+}
+
+size_t num_forward_wrappers(const torch::nn::Module& module) {
+  auto hooks = detail::forward_hooks_of(module);
+  return hooks ? hooks->wrap.size() : 0;
+}
+
 size_t prune_forward_hooks() { return detail::ForwardHookTable::instance().prune(); }
 
 ForwardHookCheckpoint forward_hook_checkpoint() {
@@ -296,13 +324,19 @@ void remove_forward_hooks_after(ForwardHookCheckpoint checkpoint,
 }
 
 c10::IValue run_forward_ivalues(torch::nn::Module& module, ForwardArgs args,
-                                c10::function_ref<c10::IValue(const ForwardArgs&)> forward) {
+                                const ForwardFunction& forward) {
   std::shared_ptr<const detail::ForwardHookLists> hooks = detail::forward_hooks_of(module);
   if (hooks == nullptr) {
     return forward(args);
   }
   detail::run_forward_pre_hooks(*hooks, module, args);
-  c10::IValue output = detail::call_forward(*hooks, module, [&] { return forward(args); });
+  c10::IValue output;
+  if (hooks->wrap.empty()) {
+    output = detail::call_forward(*hooks, module, [&] { return forward(args); });
+  } else {
+    const ForwardFunction wrapped = detail::wrap_forward(*hooks, module, forward);
+    output = detail::call_forward(*hooks, module, [&] { return wrapped(args); });
+  }
   detail::run_forward_post_hooks(*hooks, module, args, output);
   return output;
 }

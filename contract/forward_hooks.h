@@ -14,8 +14,11 @@
 // a module an API manages (the FSDP engine detects it through the autograd graph).
 //
 // One call runs: the pre-forward hooks in registration order (each may replace arguments), then
-// forward with the (possibly replaced) arguments, then the post-forward hooks in registration
-// order (each sees the arguments forward received and may replace the output). `prepend = true`
+// forward with the (possibly replaced) arguments, wrapped by the forward wrappers (the first
+// registered outermost; each decides how forward runs, e.g. activation checkpointing runs it
+// without keeping activations and again in backward), then the post-forward hooks in registration
+// order (each sees the arguments forward received and may replace the output). Wrappers are
+// always inside the pre- and post-forward hooks, whatever the order of registration. `prepend = true`
 // registers a hook before the existing ones. Hooks added or removed while a call runs take effect
 // from the next call. If forward or a hook throws, the remaining hooks do not run.
 // Hooks see values as IValues ([Note: forward values] in contract/forward_values.h).
@@ -76,6 +79,24 @@ using ForwardHook = std::function<void(torch::nn::Module& module, const ForwardA
 ///     error.add_context("fully_shard: ... while running " + m.name());
 ///   };
 using ForwardExceptionHook = std::function<void(torch::nn::Module& module, c10::Error& error)>;
+
+/// The module's forward on IValues, without its hooks (what a forward wrapper wraps). It stays
+/// callable after the call returns, as long as the module lives, so a wrapper may keep it and
+/// run forward again later (activation checkpointing recomputes the forward in backward).
+using ForwardFunction = std::function<c10::IValue(const ForwardArgs& args)>;
+
+/// A forward wrapper: runs in place of forward, between the pre- and post-forward hooks, and
+/// returns the output (of the same stored type as forward's). It receives the arguments after
+/// the pre-forward hooks and `forward`, the module's forward (already wrapped by the wrappers
+/// registered after this one).
+///
+///   ForwardWrapper no_grad = [](torch::nn::Module&, const ForwardArgs& args,
+///                               const ForwardFunction& forward) {
+///     c10::NoGradGuard guard;
+///     return forward(args);
+///   };
+using ForwardWrapper = std::function<c10::IValue(torch::nn::Module& module, const ForwardArgs& args,
+                                                 const ForwardFunction& forward)>;
 
 /// Base class of the module holders whose call operator runs forward hooks (HookableModuleHolder,
 /// that is every holder declared with FSDP_HOOKABLE_MODULE or FSDP_HOOKABLE_MODULE_IMPL, the
@@ -152,6 +173,19 @@ RemovableHandle register_forward_hook(torch::nn::Module& module, ForwardHook hoo
 RemovableHandle register_forward_exception_hook(torch::nn::Module& module,
                                                 ForwardExceptionHook hook, bool prepend = false);
 
+/// Registers a forward wrapper on `module` (innermost, or outermost with `prepend`). Throws
+/// c10::Error if `wrapper` is empty or `module` is not owned by a std::shared_ptr.
+///
+///   auto handle = fsdp::contract::register_forward_wrapper(
+///       *block, [](torch::nn::Module&, const ForwardArgs& args, const ForwardFunction& forward) {
+///         return forward(args);   // run forward as it is
+///       });
+RemovableHandle register_forward_wrapper(torch::nn::Module& module, ForwardWrapper wrapper,
+                                         bool prepend = false);
+
+/// The number of forward wrappers registered on `module`.
+size_t num_forward_wrappers(const torch::nn::Module& module);
+
 /// The number of pre-forward hooks registered on `module`.
 size_t num_forward_pre_hooks(const torch::nn::Module& module);
 
@@ -181,13 +215,15 @@ void remove_forward_hooks_after(ForwardHookCheckpoint checkpoint,
 
 /// Runs `forward(args)` with `module`'s hooks around it, on IValues: the type-erased call path of
 /// containers (AnyHookableModule, Sequential). `forward` receives the arguments after the
-/// pre-forward hooks; it must not modify them (the post-forward hooks see them).
+/// pre-forward hooks; it must not modify them (the post-forward hooks see them). When `module`
+/// has forward wrappers, `forward` is kept by them and must stay callable while the module lives
+/// (capture by value).
 ///
 ///   c10::IValue out = run_forward_ivalues(*block, {c10::IValue(x)},
 ///       [&](const ForwardArgs& a) { return c10::IValue(block->forward(a[0].toTensor())); });
 /// A c10::Error thrown by `forward` goes through the module's forward-exception hooks.
 c10::IValue run_forward_ivalues(torch::nn::Module& module, ForwardArgs args,
-                                c10::function_ref<c10::IValue(const ForwardArgs&)> forward);
+                                const ForwardFunction& forward);
 
 namespace detail {
 
@@ -252,6 +288,11 @@ struct ForwardHookLists {
   std::vector<PreHookEntry> pre;
   std::vector<HookEntry> post;
   std::vector<ExceptionHookEntry> exception;
+  struct WrapperEntry {
+    uint64_t id;
+    std::shared_ptr<const ForwardWrapper> hook;
+  };
+  std::vector<WrapperEntry> wrap;
 };
 
 // The hooks of `module`, or nullptr when it has none.
@@ -264,6 +305,10 @@ void run_forward_post_hooks(const ForwardHookLists& hooks, torch::nn::Module& mo
                             const ForwardArgs& args, c10::IValue& output);
 void run_forward_exception_hooks(const ForwardHookLists& hooks, torch::nn::Module& module,
                                  c10::Error& error);
+
+// `forward` wrapped by the module's forward wrappers (the first outermost).
+ForwardFunction wrap_forward(const ForwardHookLists& hooks, torch::nn::Module& module,
+                             ForwardFunction forward);
 
 // Calls `forward()`; a c10::Error it throws goes through the exception hooks and is rethrown.
 template <typename F>
@@ -363,6 +408,31 @@ auto run_forward(M& module, Args&&... args)
   }(std::index_sequence_for<Args...>{});
   const bool may_have_replaced_args = !hooks->pre.empty();
   detail::run_forward_pre_hooks(*hooks, base, values);
+  if (!hooks->wrap.empty()) {  // forward crosses through IValues, called by the wrappers
+    // By value: a wrapper may keep it to run forward again later.
+    ForwardFunction plain = [impl = &module, self = &base](const ForwardArgs& a) -> c10::IValue {
+      auto stored = [&]<std::size_t... I>(std::index_sequence<I...>) {
+        return detail::stored_args_from<
+            stored_forward_value_t<std::tuple_element_t<I, Params>>...>(*self, a);
+      }(std::index_sequence_for<Args...>{});
+      if constexpr (std::is_void_v<Output>) {
+        std::apply([impl](auto&... x) { impl->forward(x...); }, stored);
+        return c10::IValue();
+      } else {
+        return to_forward_ivalue(
+            std::apply([impl](auto&... x) -> Output { return impl->forward(x...); }, stored));
+      }
+    };
+    ForwardFunction wrapped = detail::wrap_forward(*hooks, base, std::move(plain));
+    c10::IValue boxed = detail::call_forward(*hooks, base, [&] { return wrapped(values); });
+    detail::run_forward_post_hooks(*hooks, base, values, boxed);
+    if constexpr (std::is_void_v<Output>) {
+      return;
+    } else {
+      return detail::from_stored<Output>(
+          detail::forward_value_as<stored_forward_value_t<Output>>(base, boxed, "output", 0));
+    }
+  }
   auto invoke = [&]() -> Output {
     if (!may_have_replaced_args) {
       return detail::call_forward(*hooks, base, [&]() -> Output {

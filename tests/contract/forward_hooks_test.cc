@@ -539,3 +539,75 @@ TEST_CASE("forward-exception hooks are removed like the other hooks") {
   CHECK_THAT(error_of([&] { register_forward_exception_hook(*thrower, nullptr); }),
              Catch::Contains("register_forward_exception_hook") && Catch::Contains("empty std::function"));
 }
+
+TEST_CASE("forward wrappers run inside the pre- and post-forward hooks, the first outermost") {
+  using fsdp::contract::ForwardFunction;
+  using fsdp::contract::register_forward_wrapper;
+  Log log;
+  Affine affine(&log);
+  auto wrap = [&log](std::string name) {
+    return [&log, name](torch::nn::Module&, const ForwardArgs& args, const ForwardFunction& forward) {
+      log.push_back(name + " in");
+      c10::IValue out = forward(args);
+      log.push_back(name + " out");
+      return c10::IValue(out.toTensor() * 10);
+    };
+  };
+  // Registered before the hooks: still inside them.
+  register_forward_wrapper(*affine, wrap("outer"));
+  RemovableHandle inner = register_forward_wrapper(*affine, wrap("inner"));
+  register_forward_pre_hook(*affine, [&](torch::nn::Module&, ForwardArgs&) { log.push_back("pre"); });
+  register_forward_hook(*affine, log_post(log, "post"));
+  CHECK(fsdp::contract::num_forward_wrappers(*affine) == 2);
+  torch::Tensor y = run_forward(*affine, torch::ones({1}));
+  CHECK(log == Log{"pre", "outer in", "inner in", "forward", "inner out", "outer out", "post"});
+  CHECK(torch::equal(y, torch::full({1}, 300.0)));
+
+  // The IValue call path runs them the same way.
+  log.clear();
+  c10::IValue out = run_forward_ivalues(*affine, {c10::IValue(torch::ones({1}))},
+                                        [a = affine](const ForwardArgs& args) mutable {
+                                          return c10::IValue(a->forward(args[0].toTensor()));
+                                        });
+  CHECK(log == Log{"pre", "outer in", "inner in", "forward", "inner out", "outer out", "post"});
+  CHECK(torch::equal(out.toTensor(), torch::full({1}, 300.0)));
+
+  inner.remove();
+  CHECK(fsdp::contract::num_forward_wrappers(*affine) == 1);
+  CHECK(torch::equal(run_forward(*affine, torch::ones({1})), torch::full({1}, 30.0)));
+}
+
+TEST_CASE("a forward wrapper may keep forward and run it again after the call") {
+  using fsdp::contract::ForwardFunction;
+  Affine affine;
+  std::optional<ForwardFunction> kept;
+  ForwardArgs kept_args;
+  fsdp::contract::register_forward_wrapper(
+      *affine, [&](torch::nn::Module&, const ForwardArgs& args, const ForwardFunction& forward) {
+        kept = forward;
+        kept_args = args;
+        return forward(args);
+      });
+  run_forward(*affine, torch::full({1}, 2.0));
+  CHECK(affine->calls == 1);
+  c10::IValue again = (*kept)(kept_args);  // the call has returned: forward still runs
+  CHECK(affine->calls == 2);
+  CHECK(torch::equal(again.toTensor(), torch::full({1}, 5.0)));
+  c10::IValue other = (*kept)({c10::IValue(torch::zeros({1}))});
+  CHECK(torch::equal(other.toTensor(), torch::ones({1})));
+}
+
+TEST_CASE("a forward wrapper sees the arguments the pre-forward hooks replaced") {
+  using fsdp::contract::ForwardFunction;
+  Mixed mixed;
+  register_forward_pre_hook(*mixed, [](torch::nn::Module&, ForwardArgs& args) { args[1] = 3.0; });
+  double seen = 0;
+  fsdp::contract::register_forward_wrapper(
+      *mixed, [&](torch::nn::Module&, const ForwardArgs& args, const ForwardFunction& forward) {
+        seen = args[1].toDouble();
+        return forward(args);
+      });
+  torch::Tensor y = run_forward(*mixed, torch::ones({2}), 1.0, true, std::optional<torch::Tensor>());
+  CHECK(seen == 3.0);
+  CHECK(torch::equal(y, torch::full({2}, -3.0)));
+}
