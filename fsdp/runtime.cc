@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include "contract/module_state.h"
+#include "contract/recompute_region.h"
 #include "fsdp/backward.h"
 #include "fsdp/fsdp_state.h"
 #include "fsdp/lazy_init.h"
@@ -87,9 +88,26 @@ void check_no_summoned_unit(const RootContext& context) {
   }
 }
 
+// A unit inside a module whose forward is recomputed in backward (activation checkpointing around
+// the unit) would be all-gathered, reduced and hooked again from inside backward: refused at its
+// first forward, before anything runs. Checkpointing the unit's own module, or modules inside a
+// unit, is what composes (the recomputation then finds the unit unsharded by its pre-backward).
+void check_not_inside_recompute_region(const FSDPState& state) {
+  const contract::RecomputeRegion region = contract::current_recompute_region();
+  if (region.phase == contract::RecomputePhase::kNone) return;
+  auto& registry = contract::ModuleStateRegistry::global();
+  TORCH_CHECK(false, "fully_shard: unit ", registry.describe(state.module()),
+              " runs inside the forward of ", registry.describe(*region.module),
+              ", which has activation checkpointing (its forward runs again in backward); a unit "
+              "inside it would be all-gathered and reduced again from inside backward. Apply "
+              "checkpointing to the unit's own module or to modules inside units, not to a module "
+              "that contains units.");
+}
+
 }  // namespace
 
 void pre_forward(FSDPState& state, contract::ForwardArgs& args) {
+  check_not_inside_recompute_region(state);
   if (state.root_context() == nullptr) lazy_init(state);
   RootContext& context = *state.root_context();
   if (state.is_root()) check_no_summoned_unit(context);
