@@ -1,6 +1,7 @@
 #include "composable/clip_grad_norm.h"
 
 #include <cmath>
+#include <unordered_set>
 
 #include <ATen/ops/tensor.h>
 #include <c10/core/GradMode.h>
@@ -35,6 +36,22 @@ double clip_grad_norm_(const FSDPModule& root, double max_norm, double norm_type
         into = inf ? std::max(into, part) : into + part;
       }
     }
+  }
+  // Parameters no unit manages (ignored ones, or registered after fully_shard): whole and local on
+  // every rank, so their gradients enter locally, once per tensor (FSDP1 does the same with its
+  // non-sharded parameters); they are scaled with the others.
+  std::unordered_set<const void*> managed;
+  for (FSDPState* unit : units) {
+    for (const auto& handle : unit->handles()) {
+      for (const auto& p : handle->params()) managed.insert(p.param.unsafeGetTensorImpl());
+    }
+  }
+  for (const auto& p : root.module().parameters()) {
+    const at::Tensor& g = p.grad();
+    if (!managed.insert(p.unsafeGetTensorImpl()).second || !g.defined() || g.numel() == 0) continue;
+    grads.push_back(g);
+    const double part = inf ? g.abs().max().item<double>() : g.abs().pow(norm_type).sum().item<double>();
+    replicated = inf ? std::max(replicated, part) : replicated + part;
   }
   const auto& comm = root.state().config().comm;
   at::Tensor total = at::tensor({sharded}, at::kDouble).to(comm->device());

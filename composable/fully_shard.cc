@@ -1,5 +1,6 @@
 #include "composable/fully_shard.h"
 
+#include <sstream>
 #include <unordered_set>
 
 #include <c10/core/GradMode.h>
@@ -18,6 +19,10 @@
 
 namespace fsdp {
 namespace {
+
+// The name replicate registers its state under (composable/replicate.h); fully_shard refuses its
+// modules without depending on it.
+constexpr const char* kReplicateApi = "replicate";
 
 void check_no_unit_above(torch::nn::Module& module) {
   auto& registry = contract::ModuleStateRegistry::global();
@@ -53,6 +58,98 @@ void broadcast_from_rank0(const std::vector<at::Tensor>& tensors, comm::Communic
   }
 }
 
+// The parameters and buffers a new unit leaves alone ([Note: ignored parameters] in
+// composable/fully_shard.h), checked before anything changes.
+struct IgnoredStates {
+  std::vector<at::Tensor> params;  // named_parameters order of the unit's trees, once each
+  std::unordered_set<const void*> param_impls;
+  std::vector<at::Tensor> buffers;
+  std::unordered_set<const void*> buffer_impls;
+};
+
+std::string shape_of(const at::Tensor& t) {
+  std::ostringstream out;
+  out << t.sizes();
+  return out.str();
+}
+
+IgnoredStates resolve_ignored(const std::vector<torch::nn::Module*>& modules, const FullyShardOptions& options,
+                              const std::string& fqn) {
+  auto& registry = contract::ModuleStateRegistry::global();
+  std::unordered_set<const void*> wanted;          // parameters to ignore (TensorImpl*)
+  std::unordered_set<const void*> wanted_buffers;  // buffers of ignored modules
+  for (size_t i = 0; i < options.ignored_modules().size(); ++i) {
+    const auto& ignored = options.ignored_modules()[i];
+    TORCH_CHECK(ignored != nullptr, "fully_shard: ignored_modules[", i, "] of module ", fqn, " is null");
+    bool inside = false;
+    for (torch::nn::Module* root : modules) {
+      TORCH_CHECK(ignored.get() != root, "fully_shard: module ", fqn, " lists itself in ignored_modules; "
+                  "expected modules inside it (a module whose parameters should all stay local needs no "
+                  "fully_shard; list its submodules instead)");
+      inside |= contract::find_module_fqn(*root, *ignored).has_value();
+    }
+    TORCH_CHECK(inside, "fully_shard: ignored_modules[", i, "] (", ignored->name(), ") is not inside module ",
+                fqn, "; expected a submodule of the module(s) fully_shard is applied to");
+    std::string name;  // relative to the unit's module
+    for (torch::nn::Module* root : modules) {
+      if (auto found = contract::find_module_fqn(*root, *ignored)) name = *found;
+    }
+    for (const auto& item : ignored->named_modules("", /*include_self=*/true)) {
+      TORCH_CHECK(!registry.contains(*item.value(), kFullyShardApi), "fully_shard: module ", fqn,
+                  " ignores module '", name, "' (", ignored->name(), "), but ",
+                  item.key().empty() ? std::string("it") : "its submodule '" + name + "." + item.key() + "'",
+                  " is a fully_shard unit; an ignored module's parameters stay whole and local, so no unit can be "
+                  "inside it. Remove it from ignored_modules, or do not apply fully_shard inside it");
+    }
+    for (const auto& p : ignored->parameters(/*recurse=*/true)) wanted.insert(p.unsafeGetTensorImpl());
+    for (const auto& b : ignored->buffers(/*recurse=*/true)) wanted_buffers.insert(b.unsafeGetTensorImpl());
+  }
+  for (size_t i = 0; i < options.ignored_params().size(); ++i) {
+    TORCH_CHECK(options.ignored_params()[i].defined(), "fully_shard: ignored_params[", i, "] of module ", fqn,
+                " is an undefined tensor");
+    wanted.insert(options.ignored_params()[i].unsafeGetTensorImpl());
+  }
+  // What the units already made ignore stays ignored (a tied parameter too, whichever unit).
+  for (const auto& other : registry.modules_with(kFullyShardApi)) {
+    const auto state = registry.get_as<FSDPState>(*other, kFullyShardApi);
+    if (!state) continue;
+    for (const auto& p : state->ignored_params()) wanted.insert(p.unsafeGetTensorImpl());
+    for (const auto& b : state->ignored_buffers()) wanted_buffers.insert(b.unsafeGetTensorImpl());
+  }
+  IgnoredStates ignored;
+  std::unordered_set<const void*> in_tree;
+  for (size_t i = 0; i < modules.size(); ++i) {
+    const std::string prefix = modules.size() > 1 ? std::to_string(i) + ":" : "";
+    for (const auto& item : modules[i]->named_parameters(/*recurse=*/true)) {
+      const void* impl = item.value().unsafeGetTensorImpl();
+      in_tree.insert(impl);
+      if (!wanted.count(impl) || !ignored.param_impls.insert(impl).second) continue;
+      ignored.params.push_back(item.value());
+      for (const auto& other : registry.modules_with(kFullyShardApi)) {
+        const auto state = registry.get_as<FSDPState>(*other, kFullyShardApi);
+        if (!state || !state->manages(item.value())) continue;
+        const auto inner = contract::find_module_fqn(*modules[i], *other);
+        TORCH_CHECK(false, "fully_shard: module ", fqn, " ignores parameter '", prefix + item.key(), "', but ",
+                    inner ? "the unit of its submodule '" + prefix + *inner + "'"
+                          : "unit " + registry.describe(*other),
+                    " already manages it (sharded); ignore it in that unit's fully_shard instead (ignored_params "
+                    "or ignored_modules), which keeps it ignored for every unit above");
+      }
+    }
+    for (const auto& b : modules[i]->buffers(/*recurse=*/true)) {
+      const void* impl = b.unsafeGetTensorImpl();
+      if (wanted_buffers.count(impl) && ignored.buffer_impls.insert(impl).second) ignored.buffers.push_back(b);
+    }
+  }
+  for (size_t i = 0; i < options.ignored_params().size(); ++i) {
+    const at::Tensor& p = options.ignored_params()[i];
+    TORCH_CHECK(in_tree.count(p.unsafeGetTensorImpl()), "fully_shard: ignored_params[", i, "] (shape ",
+                shape_of(p), ", ", p.scalar_type(), ") is not a parameter of module ", fqn,
+                " or of its submodules; expected parameters registered in the tree fully_shard is applied to");
+  }
+  return ignored;
+}
+
 }  // namespace
 
 FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const FullyShardOptions& options) {
@@ -60,6 +157,11 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
   auto& registry = contract::ModuleStateRegistry::global();
   for (size_t i = 0; i < modules.size(); ++i) {
     TORCH_CHECK(modules[i] != nullptr, "fully_shard: module ", i, " of the unit is null");
+    TORCH_CHECK(!registry.contains(*modules[i], kReplicateApi), "fully_shard: module ",
+                registry.describe(*modules[i]), " already has replicate applied; fully_shard and "
+                "replicate cannot be applied to the same module (replicate keeps every parameter whole "
+                "and all-reduces gradients, fully_shard shards them). Use one of them on this module "
+                "(fully_shard's NO_SHARD strategy replicates too; a mesh gives hybrid sharding)");
     registry.check_not_applied(*modules[i], kFullyShardApi);
     check_no_unit_above(*modules[i]);
     for (size_t j = 0; j < modules.size(); ++j) {
@@ -83,6 +185,7 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
   // (module by module), once per tensor (a tied parameter's first FQN owns it). A tied parameter
   // another unit manages moves here when this is the innermost unit containing every module using
   // it ([Note: tied parameters] in fsdp/tied_parameters.h); deciding changes nothing.
+  const IgnoredStates ignored = resolve_ignored(modules, options, fqn);
   const TiedParameterPlan tied = plan_tied_parameters(modules, fqn);
   const auto& owned = tied.stay;
   std::unordered_set<const void*> seen;
@@ -94,16 +197,19 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
     for (const auto& item : modules[i]->named_parameters(/*recurse=*/true)) {
       const at::Tensor& p = item.value();
       const void* impl = p.unsafeGetTensorImpl();
-      if (owned.count(impl) || !seen.insert(impl).second) continue;
+      if (owned.count(impl) || ignored.param_impls.count(impl) || !seen.insert(impl).second) continue;
       TORCH_CHECK(at::isFloatingType(p.scalar_type()), "fully_shard: module ", fqn,
                   " has parameter '", item.key(), "' of dtype ", p.scalar_type(),
-                  "; only floating-point parameters can be sharded");
+                  "; only floating-point parameters can be sharded (list it in FullyShardOptions::ignored_params "
+                  "to keep it whole and local)");
       TORCH_CHECK(p.device().type() == target.type() || p.device().is_cpu(), "fully_shard: module ",
                   fqn, " has parameter '", item.key(), "' on ", p.device(), " but its shards go to ",
                   target, "; build the model on the CPU or on ", target.type());
       params.push_back({prefix + item.key(), p});
     }
-    for (const auto& b : modules[i]->buffers(/*recurse=*/true)) buffers.push_back(b);
+    for (const auto& b : modules[i]->buffers(/*recurse=*/true)) {
+      if (!ignored.buffer_impls.count(b.unsafeGetTensorImpl())) buffers.push_back(b);
+    }
   }
   TORCH_CHECK(target.type() == comm->device().type(), "fully_shard: module ", fqn,
               " would keep its shards on ", target, " but the communicator works on ", comm->device());
@@ -150,6 +256,7 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
     state = contract::apply_api(kFullyShardApi, *module, [&](torch::nn::Module& m) {
       if (!state) {
         state = std::make_shared<FSDPState>(modules, fqn, config, FSDPState::make_handles(params, config, fqn));
+        state->set_ignored(ignored.params, ignored.buffers);
       }
       FSDPState* raw = state.get();  // owned by the registry for the modules' lifetime
       // The guard calls: [Note: first-iteration gradient guard] and [Note: forward errors] in

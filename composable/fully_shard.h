@@ -17,6 +17,25 @@
 // FQN and every parameter object stay as they were. Modules must be called through hook-able
 // holders (FSDP_HOOKABLE_MODULE, fsdp::contract::Linear, Sequential, ...): `module->forward(x)`
 // bypasses the hooks and is unsupported (the first iteration detects it and fails).
+//
+// [Note: ignored parameters] FullyShardOptions::ignored_params and ignored_modules (FSDP's
+// ignored_states) name parameters that a unit does not shard: they keep their shape, storage,
+// device and dtype on every rank, enter no FlatParameter, and are never all-gathered, reduced,
+// broadcast by sync_module_states, moved by `device` or cast by mixed precision (nor are the
+// buffers of ignored modules). Autograd writes their full local gradient into `.grad` on each
+// rank: averaging it across ranks (e.g. an all-reduce before the optimizer step) is up to the
+// user. A parameter stays ignored for every unit above the one that ignores it. Elsewhere:
+//   - state dicts (fsdp::full_state_dict, sharded_state_dict, the optimizer's) list ignored
+//     parameters under their FQNs with this rank's local value (full dicts: rank 0's; sharded
+//     dicts: whole, written by world rank 0 only), and loads copy the value into every rank;
+//   - fsdp::clip_grad_norm_ adds their gradients' norm locally (not reduced across ranks, as
+//     FSDP1 does for non-sharded parameters) and scales them with the others;
+//   - summon_full_params leaves them as they are (already full).
+// Refused, before anything changes: an ignored parameter that is not in the module's tree, one a
+// unit already manages (ignore it in that unit's fully_shard), an ignored module that is the
+// unit's module itself, is not inside it, or contains a unit. fully_shard on a module inside an
+// ignored module is refused in both orders (before: the unit is inside the ignored module;
+// after: fully_shard is applied bottom-up only).
 
 #include <functional>
 #include <memory>
@@ -96,6 +115,16 @@ struct FullyShardOptions {
   /// The device the shards (and the module's buffers) live on, e.g. cuda:LOCAL_RANK for a model
   /// built on the CPU: only the shards move. Default: where the parameters are.
   TORCH_ARG(std::optional<at::Device>, device) = std::nullopt;
+  /// Parameters of the module's tree this unit leaves alone ([Note: ignored parameters]): they
+  /// stay whole and local on every rank, in no FlatParameter, never all-gathered nor reduced.
+  ///
+  ///   fsdp::fully_shard(*model, fsdp::FullyShardOptions().ignored_params({model->scale}));
+  TORCH_ARG(std::vector<at::Tensor>, ignored_params) = {};
+  /// Modules inside the module whose parameters (those of their whole trees) and buffers this
+  /// unit leaves alone, as ignored_params; no unit may be inside them.
+  ///
+  ///   fsdp::fully_shard(*model, fsdp::FullyShardOptions().ignored_modules({model->head.ptr()}));
+  TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, ignored_modules) = {};
 
  public:
   /// Shorthand for the strategy: true = kFullShard, false = kShardGradOp (FSDP2's option).
@@ -146,8 +175,9 @@ class FSDPModule {
 };
 
 /// Makes `module` a fully sharded unit (see the top of this file). Errors (applied twice, applied
-/// top-down, parameters on another device than the communicator's) name the module's FQN and
-/// leave the model as it was.
+/// top-down, applied to a module that has replicate, parameters on another device than the
+/// communicator's, ignored parameters or modules not in the module's tree) name the module's FQN
+/// and leave the model as it was.
 FSDPModule fully_shard(torch::nn::Module& module, const FullyShardOptions& options = {});
 
 /// One unit over several sibling modules: unsharded

@@ -215,6 +215,13 @@ void run_forward_post_hooks(const ForwardHookLists& hooks, torch::nn::Module& mo
   }
 }
 
+namespace {
+thread_local size_t hooked_depth = 0;
+}  // namespace
+
+HookedForwardScope::HookedForwardScope() { ++hooked_depth; }
+HookedForwardScope::~HookedForwardScope() { --hooked_depth; }
+
 ForwardFunction wrap_forward(const ForwardHookLists& hooks, torch::nn::Module& module,
                              ForwardFunction forward) {
   for (auto it = hooks.wrap.rbegin(); it != hooks.wrap.rend(); ++it) {
@@ -312,6 +319,8 @@ size_t num_forward_wrappers(const torch::nn::Module& module) {
   return hooks ? hooks->wrap.size() : 0;
 }
 
+size_t hooked_forward_depth() { return detail::hooked_depth; }
+
 size_t prune_forward_hooks() { return detail::ForwardHookTable::instance().prune(); }
 
 ForwardHookCheckpoint forward_hook_checkpoint() {
@@ -329,6 +338,7 @@ c10::IValue run_forward_ivalues(torch::nn::Module& module, ForwardArgs args,
   if (hooks == nullptr) {
     return forward(args);
   }
+  detail::HookedForwardScope depth;
   detail::run_forward_pre_hooks(*hooks, module, args);
   c10::IValue output;
   if (hooks->wrap.empty()) {

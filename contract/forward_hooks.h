@@ -202,6 +202,12 @@ size_t num_forward_exception_hooks(const torch::nn::Module& module);
 ///   fsdp::contract::prune_forward_hooks();    // and what its hooks captured
 size_t prune_forward_hooks();
 
+/// The number of calls through a module's hooks (pre-forward hook to post-forward hook) running
+/// on this thread, counting the current one: 2 or more inside a hook means the module runs inside
+/// another module's hooked forward (e.g. fully_shard's blocks inside a model under replicate).
+/// Calls of modules without hooks are not counted.
+size_t hooked_forward_depth();
+
 /// Identifies the hooks registered so far (hook ids grow monotonically).
 using ForwardHookCheckpoint = uint64_t;
 
@@ -306,6 +312,15 @@ void run_forward_post_hooks(const ForwardHookLists& hooks, torch::nn::Module& mo
 void run_forward_exception_hooks(const ForwardHookLists& hooks, torch::nn::Module& module,
                                  c10::Error& error);
 
+// Counts a hooked call in hooked_forward_depth() for its lifetime.
+class HookedForwardScope {
+ public:
+  HookedForwardScope();
+  ~HookedForwardScope();
+  HookedForwardScope(const HookedForwardScope&) = delete;
+  HookedForwardScope& operator=(const HookedForwardScope&) = delete;
+};
+
 // `forward` wrapped by the module's forward wrappers (the first outermost).
 ForwardFunction wrap_forward(const ForwardHookLists& hooks, torch::nn::Module& module,
                              ForwardFunction forward);
@@ -398,6 +413,7 @@ auto run_forward(M& module, Args&&... args)
   if (hooks == nullptr) {
     return module.forward(std::forward<Args>(args)...);
   }
+  detail::HookedForwardScope depth;
 
   ForwardArgs values;
   values.reserve(sizeof...(Args));

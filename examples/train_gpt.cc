@@ -25,6 +25,7 @@
 #include <exception>
 #include <map>
 #include <stdexcept>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -36,7 +37,11 @@
 
 #include "comm/init.h"
 #include "composable/distributed_checkpoint.h"
+#include "composable/checkpoint.h"
 #include "composable/fully_shard.h"
+#include "composable/fully_shard_tree.h"
+#include "composable/plan.h"
+#include "composable/wrap_policy.h"
 #include "examples/char_corpus.h"
 #include "examples/gpt_model.h"
 
@@ -69,6 +74,10 @@ constexpr const char* kUsage =
                          rank writes its shards; DIR is replaced atomically)
   --resume DIR           load the checkpoint in DIR (saved on any number of ranks, any strategy)
                          and continue from the step after it up to --steps
+  --checkpoint-activations
+                         activation checkpointing on every block (fsdp::checkpoint_tree): each
+                         block keeps only its input through forward and recomputes the rest in
+                         backward (same gradients, less memory, about one more forward of time)
 )";
 
 /// The command line.
@@ -86,6 +95,7 @@ struct Flags {
   int64_t threads = 1;
   std::string save_dir;
   std::string resume_dir;
+  bool checkpoint_activations = false;
   bool help = false;
 };
 
@@ -125,6 +135,10 @@ Flags parse_flags(int argc, char** argv) {
     std::string name = argv[i];
     if (name == "--help" || name == "-h") {
       f.help = true;
+      continue;
+    }
+    if (name == "--checkpoint-activations") {  // a switch: no value
+      f.checkpoint_activations = true;
       continue;
     }
     if (name.rfind("--", 0) != 0) throw std::invalid_argument("unexpected argument '" + name + "'");
@@ -354,20 +368,32 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
         "model: GPT, %" PRId64 " blocks, d_model %" PRId64 ", %" PRId64 " heads, context %" PRId64
         ", vocab %" PRId64 " (characters of a %zu-byte text), %" PRId64 " parameters, tied "
         "embedding\n"
-        "fully_shard(%s) on each of the %" PRId64 " blocks and on the root; AdamW lr %g; %" PRId64
+        "fully_shard(%s) on each of the %" PRId64 " blocks and on the root%s; AdamW lr %g; %" PRId64
         " steps of %" PRId64 " x %" PRId64 " tokens per rank\n\n",
         world, fsdp::comm::to_string(group.launch.launcher), device.str().c_str(),
         comm.backend()->getBackendName().c_str(), at::get_num_threads(), f.layers, f.d_model,
         f.heads, f.context, config.vocab_size(), corpus.text().size(), num_params,
-        strategy_label(strategy), f.layers, f.lr, f.steps, f.batch, f.context);
+        strategy_label(strategy), f.layers,
+        f.checkpoint_activations ? ", activation checkpointing on each block" : "", f.lr, f.steps,
+        f.batch, f.context);
     std::fflush(stdout);
   }
 
-  // Bottom-up: every block is a unit, then the root (embeddings, tied output layer, ln_f).
+  // The type policy selects every block: activation checkpointing on each (when asked), then
+  // fully_shard on each, bottom-up, and on the root (embeddings, tied output layer, ln_f).
+  const auto blocks = fsdp::WrapPolicy::module_types<fsdp::examples::BlockImpl>();
+  if (f.checkpoint_activations) fsdp::checkpoint_tree(*model, blocks);
   const auto options = fsdp::FullyShardOptions().strategy(strategy).device(device);
-  std::vector<fsdp::FSDPModule> units;
-  for (auto& block : model->block_list()) units.push_back(fsdp::fully_shard(block, options));
-  units.push_back(fsdp::fully_shard(model, options));
+  std::vector<fsdp::FSDPModule> units = fsdp::fully_shard_tree(*model, blocks, options);
+  // What each rank will hold and send, before the first step (no communication).
+  const fsdp::ShardingPlan plan =
+      fsdp::plan(units.back(), fsdp::PlanOptions().optimizer(fsdp::PlanOptimizer::kAdamW));
+  if (main_rank) {
+    std::ostringstream printed;
+    printed << plan;
+    std::printf("%s\n", printed.str().c_str());
+    std::fflush(stdout);
+  }
 
   torch::optim::AdamW optim(model->parameters(),
                             torch::optim::AdamWOptions(f.lr).weight_decay(kWeightDecay));

@@ -159,7 +159,8 @@ void post_backward(void* arg, int64_t tag) {
   // is meant to be unsharded once through backward (SHARD_GRAD_OP, the root, a unit of sibling
   // modules): then once complete.
   const bool keep_until_complete =
-      !unit.config().reshard_after_forward || unit.is_root() || unit.modules().size() > 1;
+      !unit.config().reshard_after_forward || (unit.is_root() && !context.root_nested) ||
+      unit.modules().size() > 1;
   if (!keeps_unsharded_after_backward(unit) && (complete || !keep_until_complete)) context.reshard(unit);
   if (complete) {
     unit.set_training_state(TrainingState::kPostBackward);

@@ -56,6 +56,15 @@ void FSDPState::rebuild_handles(const std::vector<FlatParamHandle::OrigParam>& p
   }
 }
 
+void FSDPState::set_ignored(std::vector<at::Tensor> params, std::vector<at::Tensor> buffers) {
+  ignored_params_ = std::move(params);
+  ignored_buffers_ = std::move(buffers);
+  ignored_.clear();
+  for (const auto& p : ignored_params_) ignored_.insert(p.unsafeGetTensorImpl());
+}
+
+bool FSDPState::ignores(const at::Tensor& param) const { return ignored_.count(param.unsafeGetTensorImpl()) > 0; }
+
 std::vector<FlatParamHandle::OrigParam> FSDPState::params() const {
   std::vector<FlatParamHandle::OrigParam> all;
   for (const auto& h : handles_) all.insert(all.end(), h->params().begin(), h->params().end());

@@ -95,6 +95,15 @@ class FSDPState final : public contract::ApiState {
   /// The original parameters this unit's handles manage (by tensor identity).
   bool manages(const at::Tensor& param) const;
 
+  /// Ignored parameters and buffers ([Note: ignored parameters]): parameters of the unit's trees
+  /// that no FlatParameter holds (fully_shard's ignored_params, the parameters of its
+  /// ignored_modules, and those the units inside it ignore), and the buffers of its ignored
+  /// modules, which fully_shard neither moves nor casts nor broadcasts.
+  void set_ignored(std::vector<at::Tensor> params, std::vector<at::Tensor> buffers);
+  const std::vector<at::Tensor>& ignored_params() const { return ignored_params_; }
+  const std::vector<at::Tensor>& ignored_buffers() const { return ignored_buffers_; }
+  bool ignores(const at::Tensor& param) const;
+
   TrainingState training_state() const { return training_state_; }
   void set_training_state(TrainingState state) { training_state_ = state; }
 
@@ -137,6 +146,9 @@ class FSDPState final : public contract::ApiState {
   FSDPConfig config_;
   std::vector<std::unique_ptr<FlatParamHandle>> handles_;
   std::unordered_set<const void*> managed_;  // TensorImpl* of managed parameters
+  std::vector<at::Tensor> ignored_params_;   // whole, local, in named_parameters order
+  std::vector<at::Tensor> ignored_buffers_;
+  std::unordered_set<const void*> ignored_;  // TensorImpl* of ignored_params_
   TrainingState training_state_ = TrainingState::kIdle;
   std::shared_ptr<RootContext> root_context_;
 };

@@ -56,6 +56,11 @@ class RootContext {
   /// Bumped by every new iteration; autograd hooks carry it, so a hook from an older iteration's
   /// graph is recognised.
   int64_t generation = 0;
+  /// The root's forward runs inside another module's hooked forward (a model under replicate whose
+  /// blocks are fully_shard roots, or any outer module with hooks): the root is then not the last
+  /// module of forward nor the first of backward, so it reshards after forward like any unit
+  /// (FULL_SHARD) instead of staying unsharded until its backward. Set by each root pre-forward.
+  bool root_nested = false;
   /// Between the root's pre-forward and post-forward (still set at the next root pre-forward:
   /// the previous forward threw).
   bool in_root_forward = false;

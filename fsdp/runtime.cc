@@ -5,6 +5,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
+#include "contract/forward_hooks.h"
 #include "contract/module_state.h"
 #include "contract/recompute_region.h"
 #include "fsdp/backward.h"
@@ -53,6 +54,7 @@ void root_pre_forward(RootContext& context) {
   }
   context.phase = IterationPhase::kForward;
   context.in_root_forward = true;
+  context.root_nested = contract::hooked_forward_depth() > 1;  // this call counts one
 }
 
 // First iteration: every rank must run the units in the same order (their collectives pair up by
@@ -162,7 +164,8 @@ void post_forward(FSDPState& state, c10::IValue& output) {
   }
   // Siblings: reshard after the last of the unit's modules ran.
   const bool last_module = state.iteration.last_module_ran(state.modules().size());
-  if (!state.is_root() && state.config().reshard_after_forward && last_module) context.reshard(state);
+  const bool kept_after_forward = state.is_root() && !context.root_nested;
+  if (!kept_after_forward && state.config().reshard_after_forward && last_module) context.reshard(state);
   const std::vector<at::Tensor> hooked = hook_outputs_for_backward(state, output);
   if (!state.is_root()) return;
   context.in_root_forward = false;

@@ -115,3 +115,7 @@ python3 tools/bench/report.py --dir "$outdir" --out "$out" --png "$png"
 # Checkpoints: fsdp::dcp save/load throughput and memory against dd and Python DCP (its own table).
 log "checkpoints: tools/checkpoint_benchmark.sh -> $outdir/checkpoint.txt"
 tools/checkpoint_benchmark.sh --repeats "$([ "$quick" = 1 ] && echo 1 || echo 3)" --out "$outdir/checkpoint.txt"
+
+# replicate against fully_shard NO_SHARD on the example GPT at world size 2 (its own lines).
+log "replicate vs NO_SHARD: tools/replicate_benchmark.sh -> $outdir/replicate.txt"
+tools/replicate_benchmark.sh --steps "$([ "$quick" = 1 ] && echo 8 || echo 30)" | tee "$outdir/replicate.txt"
