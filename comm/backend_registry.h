@@ -12,9 +12,17 @@
 
 namespace fsdp::comm {
 
+/// What a backend factory gets besides the launch: the device, the collective timeout, and whether
+/// to create the communicators now (eager init, InitOptions::device_id) instead of at the first
+/// collective.
+struct BackendRequest {
+  at::Device device = at::kCPU;
+  std::chrono::milliseconds timeout{600000};
+  bool eager_init = false;
+};
+
 using BackendFactory = c10::intrusive_ptr<c10d::Backend> (*)(const LaunchInfo& launch,
-                                                              at::Device device,
-                                                              std::chrono::milliseconds timeout);
+                                                              const BackendRequest& request);
 
 /// Registers `factory` as the backend for tensors of `type` (called from static initialisers).
 bool register_backend_factory(c10::DeviceType type, const char* name, BackendFactory factory);

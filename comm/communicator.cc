@@ -141,6 +141,11 @@ void Communicator::barrier() {
   record_issue(backend_->barrier(), CollectiveKind::kBarrier, 0, {}).wait();
 }
 
+uint64_t Communicator::sequence_number() const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  return next_id_;
+}
+
 CollectiveStats Communicator::stats(CollectiveKind kind) const {
   std::lock_guard<std::mutex> guard(mutex_);
   return stats_[static_cast<int>(kind)];

@@ -102,6 +102,10 @@ class Communicator {
                                                      std::string tag = {});
   void barrier();
 
+  /// The issue number of the last collective recorded (0 before the first): equal on every rank
+  /// while they issue the same collectives. The divergence check (fsdp/divergence.h) compares it.
+  uint64_t sequence_number() const;
+
   CollectiveStats stats(CollectiveKind kind) const;
   void reset_stats();
 

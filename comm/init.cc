@@ -55,9 +55,19 @@ std::chrono::milliseconds resolve_timeout(const InitOptions& options) {
 }
 
 ProcessGroup init_process_group(InitOptions options) {
+  if (options.device_id) {
+    TORCH_CHECK(options.device_id->is_cuda() && options.device_id->has_index(),
+                "fsdp comm: init_process_group(device_id=", *options.device_id,
+                ") needs a CUDA device with an index, e.g. cuda:LOCAL_RANK (as torch.distributed's "
+                "device_id)");
+    TORCH_CHECK(!options.device || *options.device == *options.device_id,
+                "fsdp comm: init_process_group got device=", *options.device, " and device_id=",
+                *options.device_id, "; they must name the same device (or set only device_id)");
+  }
   ProcessGroup group;
   group.launch = read_launch_env();
-  group.device = options.device.value_or(default_device(group.launch));
+  group.device = options.device_id ? *options.device_id
+                                   : options.device.value_or(default_device(group.launch));
   const auto timeout = resolve_timeout(options);
 
   c10::intrusive_ptr<c10d::Backend> backend;
@@ -67,7 +77,11 @@ ProcessGroup init_process_group(InitOptions options) {
     BackendFactory factory = find_backend_factory(group.device.type());
     TORCH_CHECK(factory != nullptr, "fsdp comm: no backend for device ", group.device,
                 " is linked into this program. For CUDA, depend on //comm:nccl.");
-    backend = factory(group.launch, group.device, timeout);
+    BackendRequest request;
+    request.device = group.device;
+    request.timeout = timeout;
+    request.eager_init = options.device_id.has_value();
+    backend = factory(group.launch, request);
   }
   group.comm = std::make_shared<Communicator>(std::move(backend), group.device);
 
@@ -86,6 +100,25 @@ const ProcessGroup& default_process_group() {
 bool is_initialized() {
   std::lock_guard<std::mutex> guard(g_default_lock);
   return g_default.has_value();
+}
+
+void destroy_process_group() {
+  std::optional<ProcessGroup> group;
+  {
+    std::lock_guard<std::mutex> guard(g_default_lock);
+    group.swap(g_default);
+  }
+  if (!group) return;
+  const c10::intrusive_ptr<c10d::Backend> backend = group->comm->backend();
+  const bool mpi = backend->getBackendName() == "mpi";
+  // NCCL: ProcessGroupNCCL::shutdown() destroys the communicators (as
+  // torch.distributed.destroy_process_group does); the MPI backend has nothing of its own to shut.
+  backend->shutdown();
+  group.reset();
+  // MPI is process-wide: stopping the progress thread drains the collectives in flight, then
+  // MPI_Finalize. Only for an MPI default group: after NCCL (whose rendezvous may have used MPI
+  // under mpirun) MPI stays usable so that init_process_group can run again.
+  if (mpi) mpi::finalize();
 }
 
 }  // namespace fsdp::comm

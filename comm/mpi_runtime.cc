@@ -35,7 +35,13 @@ void initialize() {
 void stop_progress_engine();
 
 namespace {
-void finalize_at_exit() {
+void finalize_at_exit() { finalize(); }
+}  // namespace
+
+void finalize() {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) return;
   stop_progress_engine();
   std::lock_guard<std::mutex> guard(mpi_lock());
   int finalized_already = 0;
@@ -43,11 +49,13 @@ void finalize_at_exit() {
   if (!finalized_already) MPI_Finalize();
   g_finalized = true;
 }
-}  // namespace
 
 void ensure_initialized() {
+  TORCH_CHECK(!g_finalized,
+              "fsdp comm: MPI was finalised already (by fsdp::comm::destroy_process_group() or at "
+              "exit), and MPI cannot be initialised again in the same process; keep one process "
+              "group for the life of the program, or call destroy_process_group() only at its end");
   std::call_once(g_init_once, initialize);
-  TORCH_CHECK(!g_finalized, "fsdp comm: MPI was already finalised (the process is exiting)");
 }
 
 bool finalized() { return g_finalized; }

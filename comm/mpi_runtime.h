@@ -11,8 +11,14 @@
 namespace fsdp::comm::mpi {
 
 /// Initialises MPI once per process (idempotent, thread-safe). Called by everything that uses MPI;
-/// users never need to. Fails if MPI was finalised already.
+/// users never need to. Fails if MPI was finalised already: MPI cannot be initialised twice in one
+/// process.
 void ensure_initialized();
+
+/// Stops the progress thread (after the collectives in flight complete) and calls MPI_Finalize, now
+/// rather than at exit. Idempotent; a no-op when MPI was never initialised. After it, nothing in
+/// this process can use MPI again. Called by fsdp::comm::destroy_process_group().
+void finalize();
 
 /// Whether MPI_Finalize has run (MPI handles must not be freed after it).
 bool finalized();

@@ -2,6 +2,11 @@
 
 #include <unistd.h>
 
+#include <atomic>
+#include <cstdio>
+
+#include <cuda_runtime_api.h>
+
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -20,35 +25,23 @@ std::string local_hostname() {
   return name;
 }
 
-struct StoreAddress {
-  std::string host;
-  int port = 0;
-};
-
+// The rendezvous store: torchrun's protocol when MASTER_ADDR is set (rendezvous_store), else under
+// mpirun rank 0 hosts a store on a free port and tells the others where it is over MPI.
 c10::intrusive_ptr<c10d::Store> make_store(const LaunchInfo& launch,
                                            std::chrono::milliseconds timeout) {
+  if (!launch.master_addr.empty() || launch.world_size == 1) return rendezvous_store(launch, timeout);
+  TORCH_CHECK(launch.launcher == Launcher::kMpirun, "fsdp comm: ", to_string(launch.launcher),
+              " launch of ", launch.world_size,
+              " ranks without MASTER_ADDR/MASTER_PORT; NCCL cannot rendezvous");
   c10d::TCPStoreOptions opts;
-  opts.isServer = launch.rank == 0;
   opts.numWorkers = launch.world_size;
   opts.timeout = timeout;
   opts.useLibUV = false;
-  if (!launch.master_addr.empty()) {
-    TORCH_CHECK(launch.master_port > 0 && launch.master_port < 65536,
-                "fsdp comm: NCCL rendezvous needs MASTER_PORT with MASTER_ADDR=", launch.master_addr);
-    opts.port = static_cast<uint16_t>(launch.master_port);
-    return c10::make_intrusive<c10d::TCPStore>(launch.master_addr, opts);
-  }
-  TORCH_CHECK(launch.launcher != Launcher::kTorchrun,
-              "fsdp comm: torchrun launch without MASTER_ADDR/MASTER_PORT; NCCL cannot rendezvous");
-  if (launch.world_size == 1) {
-    opts.port = 0;  // a free port; nobody else needs to find it
-    return c10::make_intrusive<c10d::TCPStore>("127.0.0.1", opts);
-  }
-  // mpirun: rank 0 hosts the store on a free port and tells the others where it is over MPI.
   Communicator world(MpiBackend::create_world(), at::kCPU);
   c10::intrusive_ptr<c10d::TCPStore> store;
   std::vector<uint8_t> address;
   if (launch.rank == 0) {
+    opts.isServer = true;
     opts.port = 0;
     opts.waitWorkers = false;
     store = c10::make_intrusive<c10d::TCPStore>("0.0.0.0", opts);
@@ -64,28 +57,82 @@ c10::intrusive_ptr<c10d::Store> make_store(const LaunchInfo& launch,
   return c10::make_intrusive<c10d::TCPStore>(text.substr(0, colon), opts);
 }
 
+std::string device_uuid(int index) {
+  cudaDeviceProp prop{};
+  const cudaError_t rc = cudaGetDeviceProperties(&prop, index);
+  TORCH_CHECK(rc == cudaSuccess, "fsdp comm: cudaGetDeviceProperties(", index, ") failed: ",
+              cudaGetErrorString(rc));
+  std::string text = "GPU-";
+  char byte[3];
+  for (int i = 0; i < 16; ++i) {
+    std::snprintf(byte, sizeof(byte), "%02x", static_cast<unsigned char>(prop.uuid.bytes[i]));
+    text += byte;
+  }
+  return text;
+}
+
+// Every rank claims its GPU under its host's key; once all arrived, each reads its own host's claims
+// (O(ranks per node) per rank) and fails if two name one GPU. `generation` keeps a second
+// init_process_group in the same job (same store) apart from the first.
+void check_one_gpu_per_rank(c10d::Store& store, const LaunchInfo& launch, int device_index) {
+  static std::atomic<int> generation{0};
+  const std::string prefix = "fsdp/device_check/" + std::to_string(generation++) + "/";
+  DeviceClaim claim;
+  claim.rank = launch.rank;
+  claim.local_rank = launch.local_rank;
+  claim.host = local_hostname();
+  claim.device_uuid = device_uuid(device_index);
+  claim.device_index = device_index;
+  const std::string host_prefix = prefix + "host/" + claim.host + "/";
+  const int64_t slot = store.add(host_prefix + "count", 1);
+  const std::string value = to_store_value(claim);
+  store.set(host_prefix + std::to_string(slot), std::vector<uint8_t>(value.begin(), value.end()));
+  if (store.add(prefix + "arrived", 1) == launch.world_size) store.set(prefix + "all", std::vector<uint8_t>{1});
+  store.wait({prefix + "all"});
+  const int64_t count = store.add(host_prefix + "count", 0);
+  std::vector<std::string> keys;
+  for (int64_t i = 1; i <= count; ++i) keys.push_back(host_prefix + std::to_string(i));
+  std::vector<DeviceClaim> claims;
+  for (const auto& bytes : store.multiGet(keys)) {
+    claims.push_back(device_claim_from_store_value(std::string(bytes.begin(), bytes.end())));
+  }
+  if (auto error = find_shared_device(claims)) TORCH_CHECK(false, *error);
+}
+
+c10::intrusive_ptr<c10d::Backend> make_from_request(const LaunchInfo& launch,
+                                                    const BackendRequest& request) {
+  return make_nccl_backend(launch, request.device, request.timeout, request.eager_init);
+}
+
 const bool g_registered =
-    register_backend_factory(c10::DeviceType::CUDA, "nccl", &make_nccl_backend);
+    register_backend_factory(c10::DeviceType::CUDA, "nccl", &make_from_request);
 
 }  // namespace
 
 bool cuda_device_available() { return c10::cuda::device_count() > 0; }
 
 c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const LaunchInfo& launch, at::Device device,
-                                                    std::chrono::milliseconds timeout) {
+                                                    std::chrono::milliseconds timeout,
+                                                    bool eager_init) {
   (void)g_registered;
   TORCH_CHECK(device.is_cuda(), "fsdp comm: the NCCL backend needs a CUDA device, got ", device);
-  TORCH_CHECK(cuda_device_available(), "fsdp comm: NCCL backend requested for ", device,
-              " but this process sees no CUDA device");
-  TORCH_CHECK(device.index() >= 0 && device.index() < c10::cuda::device_count(),
-              "fsdp comm: device ", device, " does not exist; this process sees ",
-              static_cast<int>(c10::cuda::device_count()), " CUDA device(s) (LOCAL_RANK=",
-              launch.local_rank, ")");
-  c10::cuda::set_device(device.index());
+  const int count = static_cast<int>(c10::cuda::device_count());
+  const bool from_local_rank = !device.has_index() || device.index() == launch.local_rank;
+  const int index = device.has_index() ? device.index() : launch.local_rank;
+  check_local_device(launch, index, count, from_local_rank);
+  const at::Device bound(at::kCUDA, static_cast<c10::DeviceIndex>(index));
+  c10::cuda::set_device(bound.index());
+  auto store = make_store(launch, timeout);
+  check_one_gpu_per_rank(*store, launch, index);
   auto options = c10d::ProcessGroupNCCL::Options::create();
   options->timeout = timeout;
-  return c10::make_intrusive<c10d::ProcessGroupNCCL>(make_store(launch, timeout), launch.rank,
-                                                     launch.world_size, options);
+  auto backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(
+      default_group_store(store, "cuda"), launch.rank, launch.world_size, options);
+  if (eager_init) {
+    backend->setBoundDeviceId(bound);
+    backend->eagerConnectSingleDevice(bound);
+  }
+  return backend;
 }
 
 }  // namespace fsdp::comm

@@ -9,6 +9,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
+#include <ATen/record_function.h>
 #include <ATen/core/Generator.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
@@ -137,6 +138,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       if (recompute->requires_grad[i]) d.requires_grad_(true);
       detached.push_back(std::move(d));
     }
+    RECORD_USER_SCOPE("checkpoint::recompute");
     c10::IValue output;
     {
       std::optional<RngFork> rng;

@@ -4,6 +4,7 @@
 #include <unordered_set>
 #include <utility>
 
+#include <ATen/record_function.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
@@ -401,6 +402,7 @@ void ReplicateState::issue_ready_buckets() {
 }
 
 void ReplicateState::issue(size_t b, bool during_backward) {
+  RECORD_USER_SCOPE("replicate::all_reduce");
   Bucket& bucket = buckets_[b];
   bucket.work = comm_->all_reduce(bucket.buffer, c10d::ReduceOp::SUM, "replicate bucket " + std::to_string(b));
   bucket.issued = true;
@@ -408,6 +410,7 @@ void ReplicateState::issue(size_t b, bool during_backward) {
 }
 
 void ReplicateState::end_of_backward() {
+  RECORD_USER_SCOPE("replicate::post_backward_final_callback");
   if (!pass_active_) return;
   pass_active_ = false;
   if (!pass_syncs_) return;

@@ -25,6 +25,7 @@
 #include <exception>
 #include <map>
 #include <stdexcept>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -32,6 +33,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
+#include <torch/cuda.h>
 #include <torch/optim/adamw.h>
 #include <torch/utils.h>
 
@@ -74,6 +77,9 @@ constexpr const char* kUsage =
                          rank writes its shards; DIR is replaced atomically)
   --resume DIR           load the checkpoint in DIR (saved on any number of ranks, any strategy)
                          and continue from the step after it up to --steps
+  --profile FILE         record LibTorch's profiler over steps 2-4 on rank 0 and write a Chrome
+                         trace to FILE (open in chrome://tracing or https://ui.perfetto.dev; the
+                         FSDP::pre_forward, FSDP::all_gather, FSDP::reduce_scatter, ... scopes)
   --checkpoint-activations
                          activation checkpointing on every block (fsdp::checkpoint_tree): each
                          block keeps only its input through forward and recomputes the rest in
@@ -96,6 +102,7 @@ struct Flags {
   std::string save_dir;
   std::string resume_dir;
   bool checkpoint_activations = false;
+  std::string profile;
   bool help = false;
 };
 
@@ -126,6 +133,26 @@ double parse_positive_double(const std::string& flag, const std::string& value) 
     throw std::invalid_argument(flag + " expects a positive number (got '" + value + "')");
   }
   return parsed;
+}
+
+/// LibTorch's profiler (Kineto, CPU activities; CUDA ones too where a GPU is present): records
+/// every operator and the library's scopes (FSDP::pre_forward, FSDP::all_gather, ...).
+void start_profiler() {
+  namespace profiler = torch::autograd::profiler;
+  std::set<torch::profiler::impl::ActivityType> activities{torch::profiler::impl::ActivityType::CPU};
+  if (torch::cuda::is_available()) activities.insert(torch::profiler::impl::ActivityType::CUDA);
+  const profiler::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+  profiler::prepareProfiler(config, activities);
+  profiler::enableProfiler(config, activities);
+}
+
+/// Stops the profiler and writes its Chrome trace.
+void stop_profiler(const std::string& path, int64_t from, int64_t to) {
+  std::unique_ptr<torch::autograd::profiler::ProfilerResult> result = torch::autograd::profiler::disableProfiler();
+  result->save(path);
+  std::printf("profile of steps %" PRId64 "-%" PRId64 " (rank 0) written to %s: open it in "
+              "chrome://tracing or https://ui.perfetto.dev\n", from, to, path.c_str());
+  std::fflush(stdout);
 }
 
 /// Parses `--name value` and `--name=value`; std::invalid_argument names the bad flag.
@@ -162,6 +189,7 @@ Flags parse_flags(int argc, char** argv) {
     else if (name == "--check-unsharded") f.check_unsharded = parse_int(name, value, 0) != 0;
     else if (name == "--save") f.save_dir = value;
     else if (name == "--resume") f.resume_dir = value;
+    else if (name == "--profile") f.profile = value;
     else if (name == "--strategy") {
       if (value != "full" && value != "grad_op" && value != "no_shard") {
         throw std::invalid_argument("--strategy expects full, grad_op or no_shard (got '" + value +
@@ -419,7 +447,14 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
   StatsSnapshot after_first_step;
   const StatsSnapshot before = snapshot(comm);
   const auto train_start = Clock::now();
+  // The profiled steps: the second to the fourth of this run (the first one initialises).
+  const int64_t profile_from = first_step + 1, profile_to = std::min(f.steps, first_step + 3);
+  const bool profiling = !f.profile.empty() && main_rank && profile_from <= profile_to;
+  if (!f.profile.empty() && main_rank && !profiling) {
+    std::printf("--profile: no step to profile (at least 2 steps needed)\n");
+  }
   for (int64_t step = first_step; step <= f.steps; ++step) {
+    if (profiling && step == profile_from) start_profiler();
     world_sizes.push_back(world);
     const auto batch = batch_for(corpus, f, step, rank, device);
     const auto step_start = Clock::now();
@@ -430,6 +465,7 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
     optim.zero_grad();
     const double step_seconds = seconds_since(step_start);
     if (step == first_step) after_first_step = snapshot(comm);
+    if (profiling && step == profile_to) stop_profiler(f.profile, profile_from, profile_to);
 
     at::Tensor mean_loss = loss.detach().clone();
     metrics.all_reduce(mean_loss, c10d::ReduceOp::AVG).wait();

@@ -1,10 +1,12 @@
 #include "fsdp/backward.h"
 
+#include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 
+#include "fsdp/divergence.h"
 #include "fsdp/fsdp_state.h"
 #include "fsdp/post_backward_function.h"
 #include "fsdp/root_context.h"
@@ -38,6 +40,13 @@ void finalize(FSDPState& unit) {
 }
 
 void reduce_unit(RootContext& context, FSDPState& unit) {
+  // Checked iterations ([Note: divergence check]): a rank with gradient sync off, other sizes, or
+  // in another unit's reduction is named before the reduce-scatter.
+  if (context.check_divergence) {
+    Fingerprint f("reduces the gradients of '" + unit.fqn() + "'");
+    add_reduction_fields(f, unit.handles(), unit.requires_gradient_sync);
+    context.check_ranks_agree(std::move(f));
+  }
   for (const auto& handle : unit.handles()) handle->reduce_gradients(unit.requires_gradient_sync);
   // The previous unit's reduction has had this unit's reduction to overlap with: finish it and
   // free its buffers.
@@ -74,6 +83,7 @@ void reduce_in_order(RootContext& context, bool final) {
 }
 
 void end_of_backward(RootContext& context) {
+  RECORD_USER_SCOPE("FSDP::post_backward_final_callback");
   reduce_in_order(context, /*final=*/true);
   context.awaiting_finalize = nullptr;
   for (FSDPState* unit : context.forward_order) {
@@ -113,6 +123,7 @@ void prefetch_for_backward(RootContext& context, const FSDPState& unit) {
 }
 
 void pre_backward(FSDPState& unit, int64_t tag) {
+  RECORD_USER_SCOPE("FSDP::pre_backward");
   RootContext& context = *unit.root_context();
   TORCH_CHECK(!c10::GradMode::is_enabled(), "fully_shard: unit '", unit.fqn(),
               "' is in a backward with create_graph=true (a double backward, e.g. a gradient "
@@ -123,6 +134,13 @@ void pre_backward(FSDPState& unit, int64_t tag) {
               "' is in a backward through the graph of an earlier iteration (the root ran a new "
               "forward since); run every backward through a graph before the root's next forward");
   if (context.phase != IterationPhase::kBackward) begin_backward_pass(context);
+  // Checked iterations ([Note: divergence check]): a rank that skipped this backward, or runs
+  // another forward instead, is named before the backward all-gather.
+  if (context.check_divergence) {
+    Fingerprint f("began the backward of '" + unit.fqn() + "'");
+    add_all_gather_fields(f, unit.handles(), !unit.is_unsharded() && !unit.unshard_in_flight());
+    context.check_ranks_agree(std::move(f));
+  }
   TORCH_CHECK(!unit.iteration.reduced() || !has_trainable_handle(unit), "fully_shard: unit '", unit.fqn(),
               "' is reached by backward after its gradients were reduced in this backward pass; "
               "the gradients it would get now would be lost. A unit's forward outputs must stay "
@@ -149,6 +167,7 @@ void pre_backward(FSDPState& unit, int64_t tag) {
 }
 
 void post_backward(void* arg, int64_t tag) {
+  RECORD_USER_SCOPE("FSDP::post_backward");
   FSDPState& unit = *static_cast<FSDPState*>(arg);
   RootContext& context = *unit.root_context();
   if (tag_generation(tag) != context.generation || context.phase != IterationPhase::kBackward) return;

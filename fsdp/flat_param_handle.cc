@@ -1,5 +1,6 @@
 #include "fsdp/flat_param_handle.h"
 
+#include <ATen/record_function.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
@@ -183,6 +184,7 @@ void FlatParamHandle::write_back_replaced_data() {
 
 void FlatParamHandle::start_unshard() {
   if (unsharded_ || pending_unshard_.valid() || !shard_) return;
+  RECORD_USER_SCOPE("FSDP::all_gather");
   write_back_replaced_data();
   resize_storage(padded_unsharded_, layout_.padded_numel * padded_unsharded_.element_size());
   streams_->on_unshard_stream([&] {
@@ -206,6 +208,7 @@ void FlatParamHandle::unshard() {
   if (unsharded_) return;
   if (shard_) {
     start_unshard();
+    RECORD_USER_SCOPE("FSDP::all_gather_wait");
     pending_unshard_.wait();
     pending_unshard_ = {};
     streams_->compute_waits_for_unshard();
@@ -225,6 +228,7 @@ bool FlatParamHandle::needs_unsharded_buffer() const {
 
 void FlatParamHandle::reshard() {
   if (!unsharded_ && !pending_unshard_.valid()) return;
+  RECORD_USER_SCOPE("FSDP::reshard");
   if (pending_unshard_.valid()) {  // never free a buffer a collective still writes into
     pending_unshard_.wait();
     pending_unshard_ = {};
@@ -390,6 +394,7 @@ at::Tensor FlatParamHandle::take_unsharded_gradients() {
 
 void FlatParamHandle::reduce_gradients(bool sync) {
   if (!requires_grad_) return;
+  RECORD_USER_SCOPE("FSDP::reduce_scatter");
   finalize_gradients();  // one reduction in flight per handle
   at::Tensor flat = take_unsharded_gradients();
   if (!sync) {
@@ -423,6 +428,7 @@ void FlatParamHandle::reduce_gradients(bool sync) {
 
 void FlatParamHandle::finalize_gradients() {
   if (!reduce_output_.defined()) return;
+  RECORD_USER_SCOPE("FSDP::post_reduce");
   if (pending_reduce_.valid()) {
     pending_reduce_.wait();
     pending_reduce_ = {};

@@ -1,5 +1,6 @@
 #include "fsdp/lazy_init.h"
 
+#include <ATen/record_function.h>
 #include <algorithm>
 
 #include <c10/util/Exception.h>
@@ -25,6 +26,7 @@ bool contains_module(const std::string& outer, const std::string& inner) {
 }  // namespace
 
 void lazy_init(FSDPState& state) {
+  RECORD_USER_SCOPE("FSDP::lazy_init");
   auto& registry = contract::ModuleStateRegistry::global();
   for (const auto& other : registry.modules_with(kFullyShardApi)) {
     if (other.get() == &state.module()) continue;

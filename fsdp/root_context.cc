@@ -85,6 +85,11 @@ void RootContext::reshard(FSDPState& unit) {
                         unsharded_units.end());
 }
 
+void RootContext::check_ranks_agree(Fingerprint fingerprint) {
+  if (!check_divergence || comm == nullptr || comm->size() == 1) return;
+  fsdp::check_ranks_agree(*comm, std::move(fingerprint), iterations);
+}
+
 std::vector<FSDPState*> prefetch_targets(const FSDPState& unit,
                                          const std::vector<FSDPState*>* explicit_targets,
                                          const std::vector<FSDPState*>& order, int direction) {

@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "comm/communicator.h"
+#include "fsdp/divergence.h"
 
 namespace fsdp {
 
@@ -75,6 +76,17 @@ class RootContext {
   bool checked_sharded_use = false;  // the first iteration's autograd graph check ran
   /// Backward passes completed (0: the first iteration, whose forward order is checked).
   int64_t iterations = 0;
+  /// This iteration's collectives are checked across ranks ([Note: divergence check] in
+  /// fsdp/divergence.h): the first iteration, and every one with FSDP_DEBUG=1. Set when an
+  /// iteration starts; callers build a Fingerprint only when it is set.
+  bool check_divergence = false;
+
+  /// Exchanges `fingerprint` (with the iteration number and the sequence number) across the ranks
+  /// of `comm` when check_divergence is set and there are several ranks; throws the same error on
+  /// every rank if they differ.
+  ///
+  ///   if (context.check_divergence) context.check_ranks_agree(Fingerprint("finished its forward"));
+  void check_ranks_agree(Fingerprint fingerprint);
 
   /// All-gathers `unit` now (waits for one in flight).
   void unshard(FSDPState& unit);

@@ -1,5 +1,6 @@
 #include "fsdp/runtime.h"
 
+#include <ATen/record_function.h>
 #include <sstream>
 
 #include <c10/core/GradMode.h>
@@ -9,6 +10,7 @@
 #include "contract/module_state.h"
 #include "contract/recompute_region.h"
 #include "fsdp/backward.h"
+#include "fsdp/divergence.h"
 #include "fsdp/fsdp_state.h"
 #include "fsdp/lazy_init.h"
 #include "fsdp/root_context.h"
@@ -24,6 +26,7 @@ void start_iteration(RootContext& context) {
   context.deferred_reductions.clear();
   context.awaiting_finalize = nullptr;
   for (FSDPState* unit : context.states) unit->iteration.reset();
+  context.check_divergence = context.iterations == 0 || divergence_debug_enabled();
 }
 
 bool any_unit_may_get_gradients(const RootContext& context) {
@@ -45,6 +48,7 @@ void end_iteration_without_backward(RootContext& context) {
 }
 
 void root_pre_forward(RootContext& context) {
+  RECORD_USER_SCOPE("FSDP::root_pre_forward");
   // The previous forward or backward threw: start clean (every rank threw at the same point).
   if (context.in_root_forward || context.phase == IterationPhase::kBackward) discard_iteration(context);
   // Several forwards before one backward continue the iteration while an earlier forward's graph
@@ -57,25 +61,14 @@ void root_pre_forward(RootContext& context) {
   context.root_nested = contract::hooked_forward_depth() > 1;  // this call counts one
 }
 
-// First iteration: every rank must run the units in the same order (their collectives pair up by
-// order). Exchanged before the unit's first all-gather, so a divergence is named, not a hang.
-void check_forward_order(RootContext& context, const std::string& entry) {
-  const auto all = context.comm->all_gather_bytes(std::vector<uint8_t>(entry.begin(), entry.end()),
-                                                  "forward order check");
-  bool same = true;
-  for (const auto& e : all) same &= std::string(e.begin(), e.end()) == entry;
-  if (same) return;
-  std::ostringstream message;
-  message << "fully_shard: the forward order differs across ranks in the first iteration (at unit #"
-          << context.forward_order.size() << "):";
-  for (size_t r = 0; r < all.size(); ++r) {
-    const std::string e(all[r].begin(), all[r].end());
-    message << "\n  rank " << r << ": "
-            << (e.rfind("unit ", 0) == 0 ? "ran '" + e.substr(5) + "'" : "finished its forward");
-  }
-  message << "\nEvery rank must run the same units in the same order (their collectives pair up by "
-             "order).";
-  TORCH_CHECK(false, message.str());
+// Checked iterations ([Note: divergence check]): before each forward call of a unit, every rank
+// must be running the same unit, call and parameters (their collectives pair up by order), so a
+// divergence is named before the all-gather, not a truncation error or a hang.
+void check_before_forward(RootContext& context, const FSDPState& state, size_t call) {
+  Fingerprint f("ran '" + state.fqn() + "'");
+  f.add("forward call", std::to_string(call));
+  add_all_gather_fields(f, state.handles(), !state.is_unsharded() && !state.unshard_in_flight());
+  context.check_ranks_agree(std::move(f));
 }
 
 // A root forward while a SummonFullParams scope holds some unit's full parameters would reshard
@@ -109,6 +102,7 @@ void check_not_inside_recompute_region(const FSDPState& state) {
 }  // namespace
 
 void pre_forward(FSDPState& state, contract::ForwardArgs& args) {
+  RECORD_USER_SCOPE("FSDP::pre_forward");
   check_not_inside_recompute_region(state);
   if (state.root_context() == nullptr) lazy_init(state);
   RootContext& context = *state.root_context();
@@ -130,10 +124,8 @@ void pre_forward(FSDPState& state, contract::ForwardArgs& args) {
               " ran its forward outside a forward of its root; call the root module");
   bool first = false;
   const size_t call = state.iteration.begin_call(c10::GradMode::is_enabled(), &first);
-  if (first) {
-    if (context.iterations == 0) check_forward_order(context, "unit " + state.fqn());
-    context.forward_order.push_back(&state);
-  }
+  if (context.check_divergence) check_before_forward(context, state, call);
+  if (first) context.forward_order.push_back(&state);
   context.start_unshard(state);
   // Forward prefetch: the unit that ran after this one in the previous iteration.
   if (state.config().forward_prefetch || state.forward_prefetch_targets) {
@@ -155,6 +147,7 @@ void pre_forward(FSDPState& state, contract::ForwardArgs& args) {
 }
 
 void post_forward(FSDPState& state, c10::IValue& output) {
+  RECORD_USER_SCOPE("FSDP::post_forward");
   RootContext& context = *state.root_context();
   if (context.passthrough) {
     if (!state.is_root()) return;
@@ -169,9 +162,7 @@ void post_forward(FSDPState& state, c10::IValue& output) {
   const std::vector<at::Tensor> hooked = hook_outputs_for_backward(state, output);
   if (!state.is_root()) return;
   context.in_root_forward = false;
-  if (context.iterations == 0 && !context.checked_sharded_use) {
-    check_forward_order(context, "end of forward");
-  }
+  if (context.check_divergence) context.check_ranks_agree(Fingerprint("finished its forward"));
   if (!any_unit_may_get_gradients(context)) {
     end_iteration_without_backward(context);
     return;

@@ -1,6 +1,25 @@
-"""Common compile options and thin wrappers used by every BUILD file of the project."""
+"""Common compile options and thin wrappers used by every BUILD file of the project.
 
-FSDP_COPTS = [
+The language level is part of the options (FSDP_CXXOPTS), so the library's targets compile the same
+whatever .bazelrc the building workspace has: another workspace using the library (through
+local_repository, see third_party/workspace.bzl) needs no --cxxopt. Its own targets that include the
+library's headers must compile as C++20 too, e.g.
+
+    load("@fsdp_cpp//tools:build_defs.bzl", "FSDP_CXXOPTS")
+
+    cc_binary(
+        name = "train",
+        srcs = ["train.cc"],
+        copts = FSDP_CXXOPTS,
+        deps = ["@fsdp_cpp//composable:fully_shard"],
+    )
+"""
+
+# The C++ standard the library (and LibTorch's headers) need. Bazel 4's autoconfigured toolchain
+# passes -std=c++0x before copts, so this one wins.
+FSDP_CXXOPTS = ["-std=c++20"]
+
+FSDP_COPTS = FSDP_CXXOPTS + [
     "-Wall",
     "-Wextra",
     "-Wno-unused-parameter",
@@ -19,6 +38,7 @@ def fsdp_cc_test(name, copts = [], deps = [], size = "small", **kwargs):
         name = name,
         size = size,
         copts = FSDP_COPTS + copts,
-        deps = deps + ["//tests/testing:catch_main", "//third_party/catch2"],
+        # Labels, not strings: they name this repository's targets whichever workspace calls the macro.
+        deps = deps + [Label("//tests/testing:catch_main"), Label("//third_party/catch2")],
         **kwargs
     )

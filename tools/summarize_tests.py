@@ -3,7 +3,9 @@
 usage: summarize_tests.py TESTLOGS_DIR BAZEL_EXIT_CODE
 Multi-rank tests report each Catch2 test case once per world size; other tests count as one case.
 Exits non-zero when anything failed or when Bazel itself failed (e.g. a build error), which then
-also counts as a failed case if no report shows a failure.
+also counts as a failed case if no report shows a failure. Checks run outside Bazel (e.g. the
+consumer workspace of tools/consumer_check.sh) are counted from the file named by
+FSDP_EXTRA_RESULTS: one line per check, "<name> passed" or "<name> failed".
 """
 import os
 import sys
@@ -30,6 +32,15 @@ def main():
                 failed_names.append(case.get("name"))
             else:
                 passed += 1
+    extra = os.environ.get("FSDP_EXTRA_RESULTS")
+    if extra and os.path.exists(extra):
+        for line in open(extra):
+            name, _, result = line.strip().rpartition(" ")
+            if result == "passed":
+                passed += 1
+            elif result == "failed":
+                failed += 1
+                failed_names.append(name)
     if bazel_rc != 0 and failed == 0:
         failed += 1
         failed_names.append(f"bazel test exited with {bazel_rc} (build failure or test timeout)")

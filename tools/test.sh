@@ -7,6 +7,9 @@ cd "$(dirname "$0")/.."
 tools/setup.sh || exit 1
 targets=("$@")
 [ ${#targets[@]} -eq 0 ] && targets=(//...)
-bazel test --keep_going "${targets[@]}"
+# A disk cache shared by every checkout on this machine (a fresh clone reuses what another built;
+# FSDP_DISK_CACHE= turns it off).
+cache="${FSDP_DISK_CACHE-$HOME/.cache/fsdp_cpp/disk_cache}"
+bazel test --keep_going ${cache:+--disk_cache="$cache"} "${targets[@]}"
 rc=$?
 python3 tools/summarize_tests.py bazel-testlogs "$rc"

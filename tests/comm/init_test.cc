@@ -58,3 +58,26 @@ FSDP_RANKS_TEST_CASE("CUDA without a linked NCCL backend is a clear error", "[co
                     Catch::Matchers::Contains("no backend for device cuda:0") &&
                         Catch::Matchers::Contains("//comm:nccl"));
 }
+
+FSDP_RANKS_TEST_CASE("device_id must be an indexed CUDA device that agrees with device", "[comm][init]") {
+  fsdp::comm::InitOptions cpu;
+  cpu.device_id = at::Device(at::kCPU);
+  CHECK_THROWS_WITH(fsdp::comm::init_process_group(cpu),
+                    Catch::Matchers::Contains("device_id=cpu") &&
+                        Catch::Matchers::Contains("needs a CUDA device with an index"));
+  fsdp::comm::InitOptions no_index;
+  no_index.device_id = at::Device(at::kCUDA);
+  CHECK_THROWS_WITH(fsdp::comm::init_process_group(no_index),
+                    Catch::Matchers::Contains("needs a CUDA device with an index"));
+  fsdp::comm::InitOptions both;
+  both.device = at::Device(at::kCUDA, 0);
+  both.device_id = at::Device(at::kCUDA, 1);
+  CHECK_THROWS_WITH(fsdp::comm::init_process_group(both),
+                    Catch::Matchers::Contains("device=cuda:0 and device_id=cuda:1") &&
+                        Catch::Matchers::Contains("must name the same device"));
+  // Without the NCCL backend linked, an indexed CUDA device_id reaches the registry's clear error.
+  fsdp::comm::InitOptions cuda;
+  cuda.device_id = at::Device(at::kCUDA, 0);
+  CHECK_THROWS_WITH(fsdp::comm::init_process_group(cuda),
+                    Catch::Matchers::Contains("no backend for device cuda:0"));
+}

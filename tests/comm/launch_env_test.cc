@@ -76,3 +76,30 @@ TEST_CASE("partial or inconsistent variables are clear errors", "[comm][launch]"
   CHECK_THROWS_WITH(read_launch_env(env({{"RANK", "0"}, {"WORLD_SIZE", "0"}})),
                     Contains("WORLD_SIZE must be at least 1"));
 }
+
+TEST_CASE("torchrun's agent-store, node and run variables", "[comm][launch]") {
+  const auto info = read_launch_env(env({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"},
+                                         {"LOCAL_WORLD_SIZE", "2"}, {"GROUP_RANK", "1"},
+                                         {"MASTER_ADDR", "node0"}, {"MASTER_PORT", "29400"},
+                                         {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                                         {"TORCHELASTIC_RUN_ID", "job7"}}));
+  CHECK(info.launcher == Launcher::kTorchrun);
+  CHECK(info.local_world_size == 2);
+  CHECK(info.group_rank == 1);
+  CHECK(info.use_agent_store);
+  CHECK(info.run_id == "job7");
+  // torchrun writes str(False) without the agent store; anything but "True" means no agent store.
+  for (const char* value : {"False", "true", "1"}) {
+    CHECK_FALSE(read_launch_env(env({{"RANK", "0"}, {"WORLD_SIZE", "1"},
+                                     {"TORCHELASTIC_USE_AGENT_STORE", value}}))
+                    .use_agent_store);
+  }
+  const auto ompi = read_launch_env(env({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+                                         {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+                                         {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}}));
+  CHECK(ompi.local_world_size == 2);
+  CHECK_FALSE(ompi.use_agent_store);
+  CHECK_THROWS_WITH(read_launch_env(env({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "2"},
+                                         {"LOCAL_WORLD_SIZE", "2"}})),
+                    Contains("LOCAL_RANK=2 is outside LOCAL_WORLD_SIZE=2"));
+}

@@ -22,7 +22,7 @@ int main() {
   fsdp::comm::LaunchInfo launch;  // one rank
   const at::Device device(at::kCUDA, 0);
   fsdp::comm::Communicator comm(
-      fsdp::comm::make_nccl_backend(launch, device, std::chrono::seconds(60)), device);
+      fsdp::comm::make_nccl_backend(launch, device, std::chrono::seconds(60), /*eager_init=*/true), device);
   const auto options = at::TensorOptions().device(device);
   at::Tensor input = at::arange(8, options.dtype(at::kFloat));
   at::Tensor gathered = at::empty({8}, options.dtype(at::kFloat));

@@ -16,7 +16,8 @@ trap 'rm -rf "$work"' EXIT
 export TMPDIR="$work"
 
 forward=(-x OMP_NUM_THREADS -x FSDP_TEST_JUNIT -x FSDP_TEST_TMPDIR)
-for var in FSDP_TEST_TIMEOUT_S FSDP_COMM_TIMEOUT_S; do
+# The sanitizer builds' settings (.bazelrc: --config=asan|ubsan|tsan) reach every rank.
+for var in FSDP_TEST_TIMEOUT_S FSDP_COMM_TIMEOUT_S ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS TSAN_OPTIONS; do
   if [ -n "${!var:-}" ]; then forward+=(-x "$var"); fi
 done
 merge="${TEST_SRCDIR:-/nonexistent}/${TEST_WORKSPACE:-fsdp_cpp}/tests/testing/merge_junit.py"

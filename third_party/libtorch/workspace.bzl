@@ -61,7 +61,8 @@ def _libtorch_repository_impl(ctx):
 
 libtorch_repository = repository_rule(
     implementation = _libtorch_repository_impl,
-    attrs = {"build_template": attr.label(default = "//third_party/libtorch:libtorch.BUILD.tpl")},
+    # A Label, not a string: resolved in this repository even when another workspace declares @libtorch.
+    attrs = {"build_template": attr.label(default = Label("//third_party/libtorch:libtorch.BUILD.tpl"))},
     environ = ["LIBTORCH_HOME", "PYTHON_BIN_PATH"],
     local = True,
 )
