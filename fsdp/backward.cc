@@ -147,7 +147,11 @@ void pre_backward(FSDPState& unit, int64_t tag) {
               "in the autograd graph its backward goes through.");
   // The previous unit's reduction, if it has completed, frees its buffers before this unit's
   // gradients and parameters are allocated (otherwise the next reduction's issue waits for it).
-  if (FSDPState* previous = context.awaiting_finalize) {
+  // Not under hybrid sharding: finalizing all-reduces across the replicate group, and a collective
+  // issued at a point that depends on timing (whether the reduction has completed) would pair up
+  // differently across ranks with the shard group's collectives and deadlock.
+  const auto& replicate = context.awaiting_finalize ? context.awaiting_finalize->config().handle.replicate : nullptr;
+  if (FSDPState* previous = replicate && replicate->size() > 1 ? nullptr : context.awaiting_finalize) {
     bool completed = true;
     for (const auto& handle : previous->handles()) completed &= handle->reduction_completed();
     if (completed) {
