@@ -5,6 +5,9 @@
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 
+#include <cstdlib>
+#include <memory>
+
 #include "comm/mpi_progress.h"
 #include "comm/mpi_runtime.h"
 #include "comm/mpi_types.h"
@@ -14,13 +17,31 @@ namespace {
 
 using mpi::Reduction;
 
-// A Work whose completion the progress thread reports; its future carries the output tensors.
+// A Work whose completion the progress engine reports; its future carries the output tensors.
 class MpiWork final : public c10d::Work {
  public:
   MpiWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
       : c10d::Work(rank, type),
         outputs_(std::move(outputs)),
         future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors())) {}
+
+  // Set once, by enqueue, before the Work is handed to the caller.
+  void set_submitted(std::shared_ptr<mpi::Submitted> submitted, bool wait_drives_progress) {
+    submitted_ = std::move(submitted);
+    wait_drives_progress_ = wait_drives_progress;
+  }
+
+  // Without a time limit, waits through the progress engine, which lets this thread drive the
+  // collective when it is the only one outstanding ([Note: MPI progress]); then the base class
+  // rethrows the collective's error. With a time limit (c10d's own timeout semantics), or when
+  // the backend's wait_drives_progress was off at issue, sleeps until the progress thread
+  // completed it.
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (submitted_ && wait_drives_progress_ && timeout == kNoTimeout && !isCompleted()) {
+      mpi::wait(submitted_);
+    }
+    return c10d::Work::wait(timeout);
+  }
 
   void complete(std::exception_ptr error) {
     // The future first: once wait() returns, the future is complete too.
@@ -38,6 +59,8 @@ class MpiWork final : public c10d::Work {
  private:
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::shared_ptr<mpi::Submitted> submitted_;
+  bool wait_drives_progress_ = false;
 };
 
 std::string describe(const at::Tensor& t) {
@@ -138,8 +161,16 @@ c10::intrusive_ptr<MpiBackend> MpiBackend::split(int color, int key, Options opt
   return c10::make_intrusive<MpiBackend>(comm, rank, size, std::move(options));
 }
 
+bool MpiBackendOptions::default_wait_drives_progress() {
+  const char* value = std::getenv("FSDP_MPI_WAIT_DRIVES_PROGRESS");
+  return value == nullptr || std::string(value) != "0";
+}
+
 MpiBackend::MpiBackend(MPI_Comm comm, int rank, int size, Options options)
-    : c10d::Backend(rank, size), comm_(comm), options_(std::move(options)) {}
+    : c10d::Backend(rank, size),
+      comm_(comm),
+      options_(std::move(options)),
+      wait_drives_progress_(options_.wait_drives_progress) {}
 
 MpiBackend::~MpiBackend() {
   if (comm_ != MPI_COMM_NULL && !mpi::finalized()) {
@@ -187,8 +218,10 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::enqueue(c10d::OpType type, const char
   op.after = [after = std::move(after), keep_alive = std::move(keep_alive)] {
     if (after) after();
   };
+  // The engine drops this callback (and its reference to the Work) once it ran.
   op.finish = [work](std::exception_ptr error) { work->complete(error); };
-  mpi::submit(std::move(op));
+  const bool drives = wait_drives_progress_.load();
+  work->set_submitted(mpi::submit(std::move(op), drives), drives);
   return work;
 }
 

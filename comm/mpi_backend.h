@@ -10,6 +10,12 @@
 // `wait()`. Tensors must stay untouched until `wait()` returns. A collective that does not complete
 // within the timeout aborts the job with a report naming it (see [Note: MPI progress]).
 //
+// Latency: by default a collective is issued on the calling thread, and `wait()` on a collective
+// that is the only one outstanding polls MPI itself instead of sleeping until the progress thread
+// noticed the completion (no thread hand-off, no back-off); the progress thread still completes
+// collectives nobody waits for, so communication overlaps compute as before
+// (`wait_drives_progress`, [Note: MPI progress] in comm/mpi_progress.h).
+//
 // Supported: broadcast, allreduce (SUM, AVG = SUM then divide, MAX, MIN, PRODUCT), allgather of a
 // list, allgather into one tensor, reduce-scatter from one tensor, barrier; dtypes float32, float64,
 // float16, bfloat16 (16-bit reductions compute in float), int32, int64, uint8, int8, bool.
@@ -31,6 +37,15 @@ struct MpiBackendOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};
   /// Names the group in error reports.
   std::string name = "world";
+  /// Whether `wait()` drives progress on the waiting thread when its collective is the only one
+  /// outstanding (and collectives are issued on the calling thread). false: the progress thread
+  /// issues and completes everything, and `wait()` sleeps until it did (the behaviour before; kept
+  /// to measure the difference). Default: true, or false when the environment sets
+  /// FSDP_MPI_WAIT_DRIVES_PROGRESS=0.
+  bool wait_drives_progress = default_wait_drives_progress();
+
+  /// false when FSDP_MPI_WAIT_DRIVES_PROGRESS=0 is set, else true.
+  static bool default_wait_drives_progress();
 };
 
 class MpiBackend final : public c10d::Backend {
@@ -58,6 +73,14 @@ class MpiBackend final : public c10d::Backend {
   std::chrono::milliseconds timeout() const { return options_.timeout; }
   const std::string& name() const { return options_.name; }
 
+  /// Switches `Options::wait_drives_progress` for collectives issued from now on (thread-safe).
+  /// Every rank should switch at the same point; results are the same either way, only latency
+  /// differs.
+  ///
+  ///   backend->set_wait_drives_progress(false);   // measure the progress-thread-only path
+  void set_wait_drives_progress(bool enabled) { wait_drives_progress_.store(enabled); }
+  bool wait_drives_progress() const { return wait_drives_progress_.load(); }
+
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts = {}) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
@@ -72,7 +95,7 @@ class MpiBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = {}) override;
 
  private:
-  // Hands a collective to the progress thread. `start` issues the non-blocking MPI call; `after`
+  // Hands a collective to the progress engine. `start` issues the non-blocking MPI call; `after`
   // runs once it completed (e.g. the division of AVG); `outputs` become the Work's result.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* collective,
                                          const std::string& sizes,
@@ -84,6 +107,7 @@ class MpiBackend final : public c10d::Backend {
   MPI_Comm comm_;
   Options options_;
   std::atomic<uint64_t> sequence_{0};
+  std::atomic<bool> wait_drives_progress_;
 };
 
 }  // namespace fsdp::comm

@@ -1,23 +1,50 @@
 #pragma once
-// The progress thread of the MPI backend.
+// The progress engine of the MPI backend: the progress thread, and waits that drive progress
+// themselves.
+//
+//   mpi::PendingCollective op;          // description, timeout, start, after, finish
+//   auto submitted = mpi::submit(std::move(op), /*wait_drives_progress=*/true);
+//   mpi::wait(submitted);               // returns once op.finish ran
 //
 // [Note: MPI progress] Every collective of every MpiBackend in the process is issued as a
-// non-blocking MPI call, in submission order, by one progress thread, which then polls all requests
-// in flight. So the caller returns at once (communication overlaps compute), several collectives can
-// be in flight together, and a collective that does not complete within its timeout is detected:
-// a blocked MPI call cannot be cancelled, so the thread reports which collective it was and aborts
-// the job (MPI_Abort) instead of leaving any rank hanging.
+// non-blocking MPI call, in submission order, and then polled (MPI_Test) until it completes, so the
+// caller returns at once (communication overlaps compute), several collectives can be in flight
+// together, and a collective that does not complete within its timeout is detected: a blocked MPI
+// call cannot be cancelled, so the poller reports which collective it was and aborts the job
+// (MPI_Abort) instead of leaving any rank hanging.
+//
+// Who issues and polls:
+//  - A collective submitted with `wait_drives_progress` is issued at once on the submitting thread
+//    (unless older collectives still wait to be issued: then the progress thread issues it after
+//    them, keeping the order).
+//  - One progress thread polls every collective in flight while nobody waits for it, with a short
+//    back-off (yield, then 10-100 us sleeps) when nothing completes. With nothing to poll it naps
+//    200 us at a time while collectives were active in the last 20 ms (so issuing one needs no
+//    wake-up system call), then sleeps until the next submission wakes it.
+//  - A thread that calls `wait()` on a collective that is the only one outstanding (nothing else in
+//    flight, nothing queued) becomes the driver: the progress thread stands aside and the waiting
+//    thread polls itself, runs the completion and returns without a thread hand-off. Collectives
+//    submitted while it drives are issued in order and polled by it too until its own completes;
+//    then the progress thread takes over. A wait on a collective with others outstanding sleeps
+//    until the progress thread completes it, and becomes the driver if it is the only one left.
+//  - Without `wait_drives_progress` (the previous behaviour, kept for comparisons), the progress
+//    thread issues the collective and the waiter sleeps until the thread completes it.
+// Every MPI call runs under mpi_lock() (comm/mpi_runtime.h), whichever thread makes it, so
+// MPI_THREAD_SERIALIZED is enough; only one thread drives at a time, and the driver checks the
+// timeouts of everything in flight exactly like the progress thread.
 
 #include <mpi.h>
 
 #include <chrono>
+#include <cstdint>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <string>
 
 namespace fsdp::comm::mpi {
 
-/// One collective handed to the progress thread.
+/// One collective handed to the progress engine.
 struct PendingCollective {
   /// Names the collective for a timeout report: kind, sequence number, sizes, group.
   std::string description;
@@ -26,11 +53,31 @@ struct PendingCollective {
   std::function<int(MPI_Request*)> start;
   /// Runs once the request completed (outside the MPI lock); may throw.
   std::function<void()> after;
-  /// Marks the caller's work finished, with the error if `start` or `after` failed.
+  /// Marks the caller's work finished, with the error if `start` or `after` failed. Runs exactly
+  /// once, on the thread that completed the collective; `start` and `after` (and what they own)
+  /// are released before it runs.
   std::function<void(std::exception_ptr)> finish;
 };
 
-/// Queues `op`; it is issued after every collective submitted before it.
-void submit(PendingCollective op);
+/// A submitted collective, to pass to `wait()`. Opaque.
+struct Submitted;
+
+/// Queues `op`; it is issued after every collective submitted before it. With
+/// `wait_drives_progress`, it is issued on this thread when nothing older waits to be issued, and
+/// `wait()` may drive it (see [Note: MPI progress]); otherwise the progress thread issues it.
+std::shared_ptr<Submitted> submit(PendingCollective op, bool wait_drives_progress);
+
+/// Blocks until `submitted`'s `finish` ran. Drives progress on this thread while the collective is
+/// the only one outstanding and it was submitted with `wait_drives_progress`; otherwise sleeps until
+/// the progress thread completed it.
+void wait(const std::shared_ptr<Submitted>& submitted);
+
+/// Counts of completed collectives by who completed them (process-wide, since start).
+struct ProgressCounters {
+  uint64_t completed_by_waiter = 0;  // a thread inside wait() drove it to completion
+  uint64_t completed_by_thread = 0;  // the progress thread did
+  uint64_t drives = 0;               // times a waiting thread became the driver
+};
+ProgressCounters progress_counters();
 
 }  // namespace fsdp::comm::mpi

@@ -18,7 +18,15 @@ void finalize_at_exit();
 void initialize() {
   int already = 0;
   MPI_Initialized(&already);
-  if (!already) {
+  if (already) {
+    // Initialised by someone else (e.g. the program itself): the lock still needs SERIALIZED.
+    int provided = 0;
+    MPI_Query_thread(&provided);
+    TORCH_CHECK(provided >= MPI_THREAD_SERIALIZED,
+                "fsdp comm: MPI was initialised with thread level ", provided,
+                ", but at least MPI_THREAD_SERIALIZED is needed (collectives are issued and polled "
+                "from several threads, one at a time); initialise it with MPI_Init_thread");
+  } else {
     int provided = 0;
     const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
     TORCH_CHECK(rc == MPI_SUCCESS, "fsdp comm: MPI_Init_thread failed: ", error_string(rc));
@@ -63,6 +71,14 @@ bool finalized() { return g_finalized; }
 std::mutex& mpi_lock() {
   static std::mutex* lock = new std::mutex();  // never destroyed: used from atexit handlers
   return *lock;
+}
+
+int thread_level() {
+  ensure_initialized();
+  int provided = 0;
+  std::lock_guard<std::mutex> guard(mpi_lock());
+  MPI_Query_thread(&provided);
+  return provided;
 }
 
 int world_size() {

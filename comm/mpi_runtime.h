@@ -2,8 +2,14 @@
 // Process-wide Open MPI life cycle: initialisation with thread support, the lock every MPI call in
 // the project takes, finalisation at exit, and the job-wide abort used when a collective times out.
 //
-// Contract: every MPI call the project makes runs under `mpi_lock()`. Open MPI is initialised with
-// MPI_THREAD_MULTIPLE where available; the lock makes MPI_THREAD_SERIALIZED enough.
+// Contract: every MPI call the project makes runs under `mpi_lock()`, from whichever thread makes it
+// (the progress thread, a thread issuing a collective, a thread whose wait() drives progress: see
+// [Note: MPI progress] in comm/mpi_progress.h). Open MPI is initialised with MPI_THREAD_MULTIPLE
+// where available; the lock makes MPI_THREAD_SERIALIZED enough, and less is refused.
+//
+//   fsdp::comm::mpi::ensure_initialized();
+//   std::lock_guard<std::mutex> guard(fsdp::comm::mpi::mpi_lock());
+//   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
 
 #include <mutex>
 #include <string>
@@ -25,6 +31,11 @@ bool finalized();
 
 /// The lock held around every MPI call.
 std::mutex& mpi_lock();
+
+/// The thread level MPI provides (MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE; initialises MPI).
+///
+///   if (fsdp::comm::mpi::thread_level() == MPI_THREAD_MULTIPLE) { ... }
+int thread_level();
 
 /// Size of MPI_COMM_WORLD (initialises MPI).
 int world_size();

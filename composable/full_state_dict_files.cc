@@ -221,3 +221,53 @@ FullStateDict load_pt(const std::string& path) {
 }
 
 }  // namespace fsdp
+
+namespace fsdp {
+
+SafetensorsFileList safetensors_files(const std::string& path, const std::string& api) {
+  SafetensorsFileList list;
+  std::string index_path;
+  if (fs::is_directory(path)) {
+    const fs::path dir(path);
+    if (storage::exists((dir / kIndexFile).string())) {
+      index_path = (dir / kIndexFile).string();
+    } else {
+      TORCH_CHECK(storage::exists((dir / kSingleFile).string()), api, ": '", path, "' holds neither ", kIndexFile,
+                  " nor ", kSingleFile);
+      list.files.push_back({(dir / kSingleFile).string(), {}});
+      return list;
+    }
+  } else {
+    TORCH_CHECK(storage::exists(path), api, ": there is no file or folder '", path, "'");
+    if (!path.ends_with(".json")) {
+      list.files.push_back({path, {}});
+      return list;
+    }
+    index_path = path;
+  }
+  const std::string text = storage::read_file(index_path);
+  list.index_path = index_path;
+  list.index_bytes = static_cast<int64_t>(text.size());
+  ordered_json index;
+  try {
+    index = ordered_json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, api, ": '", index_path, "' is not valid JSON: ", e.what());
+  }
+  TORCH_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(), api, ": '",
+              index_path, "' has no \"weight_map\" object");
+  const fs::path dir = fs::path(index_path).parent_path();
+  for (const auto& [key, file] : index["weight_map"].items()) {
+    TORCH_CHECK(file.is_string(), api, ": '", index_path, "': the file of '", key, "' is not a string");
+    const std::string name = (dir / file.get<std::string>()).string();
+    auto it = std::find_if(list.files.begin(), list.files.end(), [&](const auto& f) { return f.first == name; });
+    if (it == list.files.end()) {
+      TORCH_CHECK(storage::exists(name), api, ": '", name, "' (listed in '", index_path, "') is missing");
+      it = list.files.insert(list.files.end(), {name, {}});
+    }
+    it->second.push_back(key);
+  }
+  return list;
+}
+
+}  // namespace fsdp

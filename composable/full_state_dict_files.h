@@ -53,3 +53,29 @@ void save_pt(const std::string& path, const FullStateDict& state);
 FullStateDict load_pt(const std::string& path);
 
 }  // namespace fsdp
+
+#include <utility>
+#include <vector>
+
+namespace fsdp {
+
+/// The files of a safetensors model (for readers that open them themselves, e.g.
+/// fsdp::load_pretrained): `path` as load_safetensors takes it (a folder with
+/// model.safetensors.index.json or model.safetensors, an index file, or one .safetensors file).
+struct SafetensorsFileList {
+  /// The index file read, or "" without one.
+  std::string index_path;
+  /// Each file (full path) in order of first appearance in the index, with the keys the index
+  /// assigns to it in the index's order; without an index, the one file with no keys listed
+  /// (meaning: every key of the file).
+  std::vector<std::pair<std::string, std::vector<std::string>>> files;
+  /// Bytes of the index file read (0 without one).
+  int64_t index_bytes = 0;
+};
+
+/// Resolves `path` (see SafetensorsFileList); reads only the index, opens no safetensors file.
+/// Errors (no such path, a folder without a model, an index that is not JSON or has no
+/// "weight_map", a listed file that is missing) name `api` and the path.
+SafetensorsFileList safetensors_files(const std::string& path, const std::string& api);
+
+}  // namespace fsdp

@@ -3,6 +3,7 @@
 #include <sstream>
 #include <unordered_set>
 
+#include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
@@ -191,6 +192,7 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
   std::unordered_set<const void*> seen;
   std::vector<FlatParamHandle::OrigParam> params;
   std::vector<at::Tensor> buffers;
+  std::vector<std::pair<std::string, at::Tensor>> meta_tensors;  // parameters and buffers, with their FQNs
   const at::Device target = options.device().value_or(comm->device());
   for (size_t i = 0; i < modules.size(); ++i) {
     const std::string prefix = modules.size() > 1 ? std::to_string(i) + ":" : "";
@@ -202,14 +204,25 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
                   " has parameter '", item.key(), "' of dtype ", p.scalar_type(),
                   "; only floating-point parameters can be sharded (list it in FullyShardOptions::ignored_params "
                   "to keep it whole and local)");
-      TORCH_CHECK(p.device().type() == target.type() || p.device().is_cpu(), "fully_shard: module ",
+      TORCH_CHECK(p.is_meta() || p.device().type() == target.type() || p.device().is_cpu(), "fully_shard: module ",
                   fqn, " has parameter '", item.key(), "' on ", p.device(), " but its shards go to ",
                   target, "; build the model on the CPU or on ", target.type());
       params.push_back({prefix + item.key(), p});
     }
-    for (const auto& b : modules[i]->buffers(/*recurse=*/true)) {
+    for (const auto& item : modules[i]->named_buffers(/*recurse=*/true)) {
+      const at::Tensor& b = item.value();
       if (!ignored.buffer_impls.count(b.unsafeGetTensorImpl())) buffers.push_back(b);
+      if (b.is_meta()) meta_tensors.push_back({prefix + item.key(), b});
     }
+    for (const auto& item : modules[i]->named_parameters(/*recurse=*/true)) {
+      if (item.value().is_meta()) meta_tensors.push_back({prefix + item.key(), item.value()});
+    }
+  }
+  // [Note: meta-device models]: every meta tensor must have a way to get its values.
+  for (const auto& [name, t] : meta_tensors) {
+    TORCH_CHECK(options.param_init_fn() || has_recorded_init(t), "fully_shard: module ", fqn, " has '",
+                name, "' on the meta device with no recorded initialization (it was not built inside an "
+                "fsdp::MetaInitGuard); give FullyShardOptions::param_init_fn to initialize it");
   }
   TORCH_CHECK(target.type() == comm->device().type(), "fully_shard: module ", fqn,
               " would keep its shards on ", target, " but the communicator works on ", comm->device());
@@ -224,6 +237,14 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
   config.handle.reduce_dtype = mp.reduce_dtype();
   if (mp.param_dtype() && mp.cast_forward_inputs()) config.cast_forward_inputs_to = mp.param_dtype();
   config.handle.offload_to_cpu = options.offload_to_cpu();
+  const TensorInitFn init_fn = options.param_init_fn();
+  auto meta_values = [init_fn, fqn](const std::string& name, const at::Tensor& t) {
+    if (!init_fn) return materialize_values(t, fqn + " '" + name + "'");
+    at::Tensor values = at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()));
+    init_fn(name, values);
+    return values;
+  };
+  config.handle.meta_values = meta_values;
   config.forward_prefetch = options.forward_prefetch();
   config.backward_prefetch = options.backward_prefetch();
   TORCH_CHECK(options.max_unshards_in_flight() >= 1, "fully_shard: max_unshards_in_flight must be "
@@ -235,9 +256,22 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
   // they leave are rebuilt (collective). After every check: errors above change nothing.
   take_tied_parameters(tied);
 
+  // Meta buffers and ignored parameters are materialized whole, where the shards go (ignored ones
+  // have no device of their own to stay on). Meta parameters are materialized by their handles.
+  {
+    c10::NoGradGuard no_grad;
+    std::unordered_set<const void*> sharded;
+    for (const auto& p : params) sharded.insert(p.param.unsafeGetTensorImpl());
+    for (const auto& [name, t] : meta_tensors) {
+      if (t.is_meta() && !sharded.count(t.unsafeGetTensorImpl())) adopt_values(t, meta_values(name, t).to(target));
+    }
+  }
   if (options.sync_module_states()) {
+    // Meta parameters need none: their materialization gives every rank the same values.
     std::vector<at::Tensor> tensors;
-    for (const auto& p : params) tensors.push_back(p.param);
+    for (const auto& p : params) {
+      if (!p.param.is_meta()) tensors.push_back(p.param);
+    }
     tensors.insert(tensors.end(), buffers.begin(), buffers.end());
     // With a mesh: world rank 0 -> the first rank of every shard group -> every rank.
     if (options.mesh()) broadcast_from_rank0(tensors, *options.mesh()->replicate_group());

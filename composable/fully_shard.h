@@ -36,6 +36,22 @@
 // unit's module itself, is not inside it, or contains a unit. fully_shard on a module inside an
 // ignored module is refused in both orders (before: the unit is inside the ignored module;
 // after: fully_shard is applied bottom-up only).
+//
+// [Note: meta-device models] A model built under fsdp::MetaInitGuard (init/meta_init.h) has meta
+// parameters and buffers: no memory. fully_shard allocates only this rank's shard of each
+// FlatParameter (on `device`, default the communicator's device) and fills it with this rank's
+// slice of each parameter, materialized one parameter at a time on the CPU (replaying its recorded
+// construction, or FullyShardOptions::param_init_fn); a parameter this rank holds none of is never
+// materialized. Buffers and ignored parameters are materialized whole. The values are those
+// fsdp::materialize_module gives the unsharded model built the same way under the same seed, on any
+// number of ranks ([Note: meta init]). sync_module_states broadcasts only tensors that were not on
+// meta. Every meta tensor of the root's tree must belong to some unit (or be materialized with
+// fsdp::materialize_module) before the first forward, which otherwise names it.
+//
+//   std::shared_ptr<GPT> model;
+//   { fsdp::MetaInitGuard meta; model = std::make_shared<GPT>(config); }  // no memory
+//   fsdp::fully_shard_tree(*model, fsdp::WrapPolicy::module_types<BlockImpl>());
+//   fsdp::load_pretrained(*model, "model.safetensors");  // optional: weights straight into shards
 
 #include <functional>
 #include <memory>
@@ -50,6 +66,7 @@
 #include "comm/device_mesh.h"
 #include "contract/forward_hooks.h"
 #include "fsdp/fsdp_state.h"
+#include "init/meta_init.h"
 
 namespace fsdp {
 
@@ -125,6 +142,16 @@ struct FullyShardOptions {
   ///
   ///   fsdp::fully_shard(*model, fsdp::FullyShardOptions().ignored_modules({model->head.ptr()}));
   TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, ignored_modules) = {};
+  /// Initializes the unit's meta parameters and buffers ([Note: meta-device models]) instead of
+  /// replaying what MetaInitGuard recorded (FSDP1's param_init_fn, one tensor at a time): called
+  /// with each meta tensor's FQN relative to the module (a unit of several modules prefixes it
+  /// with the module's index and ':') and an uninitialized CPU tensor of its shape and dtype to
+  /// fill. Called only for parameters this rank holds part of, and for every buffer. Must give
+  /// every rank the same values.
+  ///
+  ///   fsdp::fully_shard(*block, fsdp::FullyShardOptions().param_init_fn(
+  ///       [](const std::string& fqn, at::Tensor& v) { v.normal_(0, 0.02); }));
+  TORCH_ARG(TensorInitFn, param_init_fn) = nullptr;
 
  public:
   /// Shorthand for the strategy: true = kFullShard, false = kShardGradOp (FSDP2's option).

@@ -43,7 +43,10 @@
 #include "composable/checkpoint.h"
 #include "composable/fully_shard.h"
 #include "composable/fully_shard_tree.h"
+#include "composable/full_state_dict_files.h"
+#include "composable/load_pretrained.h"
 #include "composable/plan.h"
+#include "composable/state_dict.h"
 #include "composable/wrap_policy.h"
 #include "examples/char_corpus.h"
 #include "examples/gpt_model.h"
@@ -77,9 +80,18 @@ constexpr const char* kUsage =
                          rank writes its shards; DIR is replaced atomically)
   --resume DIR           load the checkpoint in DIR (saved on any number of ranks, any strategy)
                          and continue from the step after it up to --steps
+  --export DIR           after the last step, write the trained weights as a Hugging Face
+                         safetensors model in DIR (rank 0; readable with --init-from, Python's
+                         safetensors, transformers)
   --profile FILE         record LibTorch's profiler over steps 2-4 on rank 0 and write a Chrome
                          trace to FILE (open in chrome://tracing or https://ui.perfetto.dev; the
                          FSDP::pre_forward, FSDP::all_gather, FSDP::reduce_scatter, ... scopes)
+  --meta-init            build the model on the meta device (fsdp::MetaInitGuard: no memory) and
+                         let fully_shard materialize only each rank's shards (the values are the
+                         same on any number of ranks, but not those of an eager build)
+  --init-from PATH       load pretrained weights (a model.safetensors file, or a folder / index of
+                         model-0000k-of-0000n.safetensors) straight into the shards: each rank
+                         reads only its slices (fsdp::load_pretrained)
   --checkpoint-activations
                          activation checkpointing on every block (fsdp::checkpoint_tree): each
                          block keeps only its input through forward and recomputes the rest in
@@ -100,8 +112,11 @@ struct Flags {
   bool check_unsharded = true;
   int64_t threads = 1;
   std::string save_dir;
+  std::string export_dir;
   std::string resume_dir;
   bool checkpoint_activations = false;
+  bool meta_init = false;
+  std::string init_from;
   std::string profile;
   bool help = false;
 };
@@ -164,6 +179,10 @@ Flags parse_flags(int argc, char** argv) {
       f.help = true;
       continue;
     }
+    if (name == "--meta-init") {  // a switch: no value
+      f.meta_init = true;
+      continue;
+    }
     if (name == "--checkpoint-activations") {  // a switch: no value
       f.checkpoint_activations = true;
       continue;
@@ -188,8 +207,10 @@ Flags parse_flags(int argc, char** argv) {
     else if (name == "--threads") f.threads = parse_int(name, value, 1);
     else if (name == "--check-unsharded") f.check_unsharded = parse_int(name, value, 0) != 0;
     else if (name == "--save") f.save_dir = value;
+    else if (name == "--export") f.export_dir = value;
     else if (name == "--resume") f.resume_dir = value;
     else if (name == "--profile") f.profile = value;
+    else if (name == "--init-from") f.init_from = value;
     else if (name == "--strategy") {
       if (value != "full" && value != "grad_op" && value != "no_shard") {
         throw std::invalid_argument("--strategy expects full, grad_op or no_shard (got '" + value +
@@ -311,14 +332,31 @@ fsdp::examples::TokenBatch batch_for(const fsdp::examples::CharCorpus& corpus, c
   return {b.inputs.to(device), b.targets.to(device)};
 }
 
+/// The model as --seed and --meta-init say: built eagerly on the CPU, or on the meta device (no
+/// memory until fully_shard or materialize_module gives it values).
+GPT build_model(const GPTConfig& config, const Flags& f) {
+  torch::manual_seed(f.seed);
+  if (!f.meta_init) return GPT(config);
+  fsdp::MetaInitGuard meta;
+  return GPT(config);
+}
+
 /// Trains the model unsharded for the same steps, each step on every rank's batch (step s on
 /// world_sizes[s - 1] ranks): the loss is the mean of the ranks' losses, so its gradient is the
 /// average of the ranks' gradients, as data parallelism computes it. Returns the loss of each step.
 std::vector<double> train_unsharded_reference(const fsdp::examples::CharCorpus& corpus,
                                               const GPTConfig& config, const Flags& f,
                                               const std::vector<int>& world_sizes, at::Device device) {
-  torch::manual_seed(f.seed);
-  GPT model(config);
+  GPT model = build_model(config, f);
+  if (f.meta_init) fsdp::materialize_module(*model);  // the same values fully_shard gives the shards
+  if (!f.init_from.empty()) {
+    const auto weights = fsdp::load_safetensors(f.init_from);
+    c10::NoGradGuard no_grad;
+    for (const auto& item : model->named_parameters()) {
+      // A tied parameter is in the file under one of its names.
+      if (const at::Tensor* w = weights.find(item.key())) item.value().copy_(*w);
+    }
+  }
   model->to(device);
   torch::optim::AdamW optim(model->parameters(),
                             torch::optim::AdamWOptions(f.lr).weight_decay(kWeightDecay));
@@ -383,8 +421,9 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
                                .d_model(f.d_model)
                                .n_heads(f.heads)
                                .n_layers(f.layers);
-  torch::manual_seed(f.seed);
-  GPT model(config);  // built on the CPU: fully_shard moves only the shards to `device`
+  // Built on the CPU (fully_shard moves only the shards to `device`), or on meta (--meta-init:
+  // fully_shard allocates and initializes only the shards).
+  GPT model = build_model(config, f);
   const StateBytes full = unsharded_bytes(*model);
   int64_t num_params = 0;
   for (const auto& p : model->parameters()) num_params += p.numel();
@@ -413,6 +452,16 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
   if (f.checkpoint_activations) fsdp::checkpoint_tree(*model, blocks);
   const auto options = fsdp::FullyShardOptions().strategy(strategy).device(device);
   std::vector<fsdp::FSDPModule> units = fsdp::fully_shard_tree(*model, blocks, options);
+  if (!f.init_from.empty()) {
+    const auto load_start = Clock::now();
+    const auto loaded = fsdp::load_pretrained(units.back(), f.init_from);  // collective
+    if (main_rank) {
+      std::printf("loaded %s into the shards in %.2f s: rank 0 read %" PRId64 " of the model's %" PRId64
+                  " bytes\n\n", f.init_from.c_str(), seconds_since(load_start), loaded.stats.bytes_read,
+                  full.params);
+      std::fflush(stdout);
+    }
+  }
   // What each rank will hold and send, before the first step (no communication).
   const fsdp::ShardingPlan plan =
       fsdp::plan(units.back(), fsdp::PlanOptions().optimizer(fsdp::PlanOptimizer::kAdamW));
@@ -489,6 +538,14 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
     if (main_rank) {
       std::printf("\nsaved step %" PRId64 " to %s in %.2f s (every rank wrote its shards)\n", f.steps,
                   f.save_dir.c_str(), seconds_since(save_start));
+    }
+  }
+
+  if (!f.export_dir.empty()) {
+    const auto weights = fsdp::full_state_dict(units.back());  // collective; rank 0 gets the values
+    if (main_rank) {
+      fsdp::save_safetensors(f.export_dir, weights);
+      std::printf("\nexported the weights after step %" PRId64 " to %s (safetensors)\n", f.steps, f.export_dir.c_str());
     }
   }
 

@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include "fsdp/storage_resize.h"
+#include "init/meta_init.h"
 
 namespace fsdp {
 namespace {
@@ -54,10 +55,17 @@ FlatParamHandle::FlatParamHandle(std::vector<OrigParam> params,
   TORCH_CHECK(!params_.empty(), "fully_shard: FlatParamHandle of '", unit_fqn_, "' has no parameters");
   TORCH_CHECK(comm_ != nullptr, "fully_shard: FlatParamHandle of '", unit_fqn_, "' has no communicator");
   const auto dtype = params_[0].param.scalar_type();
-  const auto device = params_[0].param.device();
+  // Meta parameters have no device of their own: they are materialized where the shard lives.
+  std::optional<at::Device> real_device;
+  for (const auto& p : params_) {
+    if (!p.param.is_meta() && !real_device) real_device = p.param.device();
+    TORCH_CHECK(!p.param.is_meta() || options_.meta_values, "fully_shard: parameter '", p.fqn, "' of '",
+                unit_fqn_, "' is on the meta device but no way to initialize it was given");
+  }
+  const auto device = real_device.value_or(options_.device.value_or(at::Device(at::kCPU)));
   requires_grad_ = params_[0].param.requires_grad();
   for (const auto& p : params_) {
-    TORCH_CHECK(p.param.scalar_type() == dtype && p.param.device() == device &&
+    TORCH_CHECK(p.param.scalar_type() == dtype && (p.param.is_meta() || p.param.device() == device) &&
                     p.param.requires_grad() == requires_grad_,
                 "fully_shard: one FlatParameter of '", unit_fqn_,
                 "' needs one dtype, device and requires_grad; '", p.fqn, "' is ",
@@ -88,18 +96,22 @@ FlatParamHandle::FlatParamHandle(std::vector<OrigParam> params,
   if (mixed_precision_ || shard_device != compute_device_) {
     compute_shard_ = at::empty({layout_.shard_numel()}, tensor_options.dtype(compute_dtype_).device(compute_device_));
   }
-  padded_unsharded_ = at::empty({needs_unsharded_buffer() ? layout_.padded_numel : 0},
-                                tensor_options.dtype(compute_dtype_).device(compute_device_));
+  // The unsharded buffer has its full size but no memory until the first unshard (the storage is
+  // grown there, fsdp/storage_resize.h): building the handle holds the shard only.
+  padded_unsharded_ = at::empty({0}, tensor_options.dtype(compute_dtype_).device(compute_device_));
+  padded_unsharded_.unsafeGetTensorImpl()->set_sizes_contiguous({needs_unsharded_buffer() ? layout_.padded_numel : 0});
   std::vector<at::Tensor> full_grads(params_.size());
   for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
     slices_.push_back(layout_.slice_of(i, rank));
     const auto& s = slices_.back();
     full_grads[i] = params_[i].param.grad();
+    const bool meta = params_[i].param.is_meta();
     if (s.size() > 0) {
       c10::NoGradGuard no_grad;
-      local_shard_.narrow(0, s.shard_offset, s.size())
-          .copy_(params_[i].param.detach().reshape({-1}).narrow(0, s.param_begin, s.size()));
+      const at::Tensor values = meta ? options_.meta_values(params_[i].fqn, params_[i].param) : params_[i].param.detach();
+      local_shard_.narrow(0, s.shard_offset, s.size()).copy_(values.reshape({-1}).narrow(0, s.param_begin, s.size()));
     }
+    if (meta) adopt_values(params_[i].param, local_shard_.narrow(0, s.shard_offset, s.size()).view(sharded_shape(i)));
     params_[i].param.mutable_grad() = at::Tensor();
   }
   use_sharded_views();
@@ -186,8 +198,12 @@ void FlatParamHandle::start_unshard() {
   if (unsharded_ || pending_unshard_.valid() || !shard_) return;
   RECORD_USER_SCOPE("FSDP::all_gather");
   write_back_replaced_data();
-  resize_storage(padded_unsharded_, layout_.padded_numel * padded_unsharded_.element_size());
+  // [Note: streams] The unshard stream waits for the compute stream only if the shard may have
+  // been written there since the iteration began (or outside an iteration).
+  const bool shard_written = shard_written_since_gathered();
   streams_->on_unshard_stream([&] {
+    // Allocated while the unshard stream is current: the allocator orders its reuse on that stream.
+    resize_storage(padded_unsharded_, layout_.padded_numel * padded_unsharded_.element_size());
     const at::Tensor* source = &local_shard_;
     if (compute_shard_.defined()) {
       c10::NoGradGuard no_grad;
@@ -196,7 +212,7 @@ void FlatParamHandle::start_unshard() {
       source = &compute_shard_;
     }
     pending_unshard_ = comm_->all_gather_into_tensor(padded_unsharded_, *source, unit_fqn_);
-  });
+  }, shard_written);
 }
 
 void FlatParamHandle::unshard() {
@@ -209,9 +225,8 @@ void FlatParamHandle::unshard() {
   if (shard_) {
     start_unshard();
     RECORD_USER_SCOPE("FSDP::all_gather_wait");
-    pending_unshard_.wait();
+    streams_->hand_unshard_to_compute([&] { pending_unshard_.wait(); });
     pending_unshard_ = {};
-    streams_->compute_waits_for_unshard();
   } else {  // NO_SHARD with mixed precision or offload: a copy, no collective
     write_back_replaced_data();
     resize_storage(padded_unsharded_, layout_.padded_numel * padded_unsharded_.element_size());
@@ -230,11 +245,12 @@ void FlatParamHandle::reshard() {
   if (!unsharded_ && !pending_unshard_.valid()) return;
   RECORD_USER_SCOPE("FSDP::reshard");
   if (pending_unshard_.valid()) {  // never free a buffer a collective still writes into
-    pending_unshard_.wait();
+    streams_->hand_unshard_to_compute([&] { pending_unshard_.wait(); });
     pending_unshard_ = {};
   }
   use_sharded_views();
-  resize_storage(padded_unsharded_, 0);
+  // Freed once the compute work enqueued so far is done with it (inline on the CPU: now).
+  streams_->release_storage(*padded_unsharded_.storage().unsafeGetStorageImpl());
   unsharded_ = false;
 }
 
@@ -430,10 +446,10 @@ void FlatParamHandle::finalize_gradients() {
   if (!reduce_output_.defined()) return;
   RECORD_USER_SCOPE("FSDP::post_reduce");
   if (pending_reduce_.valid()) {
-    pending_reduce_.wait();
+    streams_->hand_reduce_to_compute([&] { pending_reduce_.wait(); });
     pending_reduce_ = {};
-    streams_->compute_waits_for_reduce();
   }
+  // Only now: the compute stream, where it was allocated, has waited for the reduction reading it.
   reduce_input_ = at::Tensor();
   c10::NoGradGuard no_grad;
   // Gradients are in the parameters' dtype after sync, whatever dtype they were reduced in.
@@ -463,14 +479,15 @@ void FlatParamHandle::commit_gradients() {
   saved_grad_ = at::Tensor();
   grads_prepared_ = false;
   accumulated_in_pass_ = false;
+  streams_->end_iteration();
 }
 
 void FlatParamHandle::discard_gradients() {
   if (pending_reduce_.valid()) {  // never free buffers a collective still uses
-    pending_reduce_.wait();
+    streams_->hand_reduce_to_compute([&] { pending_reduce_.wait(); });
     pending_reduce_ = {};
-    streams_->compute_waits_for_reduce();
   }
+  streams_->end_iteration();
   reduce_input_ = at::Tensor();
   reduce_output_ = at::Tensor();
   grad_buffer_ = at::Tensor();
@@ -489,6 +506,30 @@ void FlatParamHandle::discard_gradients() {
   grads_prepared_ = false;
   finalized_in_pass_ = false;
 }
+
+int64_t FlatParamHandle::shard_version() const {
+  // The shard is written through its own views (write-back, summon_full_params) or through the
+  // parameters while sharded (optimizers: their version counters are their own after set_data).
+  int64_t version = local_shard_.is_inference() ? 0 : local_shard_._version();
+  for (const auto& p : params_) version += p.param.is_inference() ? 0 : p.param._version();
+  return version;
+}
+
+bool FlatParamHandle::shard_written_since_gathered() {
+  if (!streams_->asynchronous()) return false;  // inline: program order
+  const int64_t version = shard_version();
+  const bool written = version != gathered_shard_version_;
+  gathered_shard_version_ = version;
+  return written;
+}
+
+void FlatParamHandle::begin_iteration() {
+  if (!streams_->asynchronous()) return;
+  gathered_shard_version_ = shard_version();  // covered by the stream's wait at the next issue
+  streams_->begin_iteration();
+}
+
+void FlatParamHandle::end_iteration() { streams_->end_iteration(); }
 
 size_t FlatParamHandle::gradient_buffer_bytes() const {
   size_t bytes = grad_buffer_.defined() ? grad_buffer_.nbytes() : 0;

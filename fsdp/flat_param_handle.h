@@ -29,6 +29,7 @@
 // On one rank nothing is communicated: the handle runs as NO_SHARD and the flat gradient is the
 // sharded gradient.
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -61,6 +62,11 @@ struct FlatParamHandleOptions {
   /// CUDA), so the optimizer steps on the host; the shard is copied to `device` to be all-gathered
   /// and the reduced gradient copied back.
   bool offload_to_cpu = false;
+  /// Parameters on the meta device (built under fsdp::MetaInitGuard, init/meta_init.h): returns
+  /// the full values of one (any device; `fqn` as in OrigParam). Called once per meta parameter
+  /// this rank holds part of, while the shard is filled; nothing else of the parameter is ever
+  /// allocated. Unset: meta parameters are refused.
+  std::function<at::Tensor(const std::string& fqn, const at::Tensor& param)> meta_values;
 };
 
 class FlatParamHandle {
@@ -72,7 +78,8 @@ class FlatParamHandle {
 
   /// Takes over the storage of `params` (all of one dtype, one device, and one requires_grad;
   /// every rank holding the same full values): copies this rank's shard out of them and leaves
-  /// them sharded. `unit_fqn` names the unit in errors and traces.
+  /// them sharded. Parameters on the meta device (any mix with others) get their slices from
+  /// `options.meta_values` and become real, sharded, in place (the same tensor objects). `unit_fqn` names the unit in errors and traces.
   FlatParamHandle(std::vector<OrigParam> params, std::shared_ptr<comm::Communicator> comm,
                   std::string unit_fqn, FlatParamHandleOptions options = {});
 
@@ -89,6 +96,14 @@ class FlatParamHandle {
   /// Makes the original parameters views of the local shard and frees the unsharded buffer.
   void reshard();
   bool is_unsharded() const { return unsharded_; }
+  /// Start of a root's forward ([Note: streams]): the shard may have been written on the compute
+  /// stream since it was last gathered (an optimizer step), so the next all-gather on this device
+  /// waits for the compute stream; later ones in the iteration wait only if their shard was
+  /// written again. No-op on the CPU.
+  void begin_iteration();
+  /// End of an iteration (also done by commit_gradients() and discard_gradients()): all-gathers
+  /// wait for the compute stream again, and held resharded buffers are freed. No-op on the CPU.
+  void end_iteration();
   /// Whether nothing is to be done around forward and backward: one rank in every group, in the
   /// parameters' own dtype and device. The parameters are full-shape views of the FlatParameter
   /// and autograd writes their gradients as in local training.
@@ -171,6 +186,11 @@ class FlatParamHandle {
   at::Tensor take_unsharded_gradients();
   // The shape of parameter i while sharded: 1-D slice, or the full shape without sharding.
   std::vector<int64_t> sharded_shape(size_t i) const;
+  // The version counters of the shard and of the parameters (which write it while sharded).
+  int64_t shard_version() const;
+  // Whether the shard was written since the last all-gather or begin_iteration() (asynchronous
+  // streams only: false inline), and remembers the current version.
+  bool shard_written_since_gathered();
 
   std::string unit_fqn_;
   std::vector<OrigParam> params_;
@@ -201,6 +221,7 @@ class FlatParamHandle {
   bool shard_ = true;                 // sharded across more than one rank
   bool accumulated_in_pass_ = false;  // this backward pass added to accumulated_grad_
   bool finalized_in_pass_ = false;    // this backward pass set a new sharded gradient
+  int64_t gathered_shard_version_ = -1;  // shard_version() at the last all-gather issue
 };
 
 }  // namespace fsdp

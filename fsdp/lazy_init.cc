@@ -37,6 +37,17 @@ void lazy_init(FSDPState& state) {
                   "root module (the outermost one fully_shard was applied to) first.");
     }
   }
+  // [Note: meta-device models] in composable/fully_shard.h: no meta tensor may reach a forward.
+  for (torch::nn::Module* module : state.modules()) {
+    auto check = [&](const std::string& kind, const std::string& name, const at::Tensor& t) {
+      TORCH_CHECK(!t.defined() || !t.is_meta(), "fully_shard: ", kind, " '", name, "' of ",
+                  registry.describe(*module), " is still on the meta device at the root's first forward: "
+                  "apply fully_shard to a module that contains it, or materialize it with "
+                  "fsdp::materialize_module");
+    };
+    for (const auto& item : module->named_parameters(/*recurse=*/true)) check("parameter", item.key(), item.value());
+    for (const auto& item : module->named_buffers(/*recurse=*/true)) check("buffer", item.key(), item.value());
+  }
   auto context = std::make_shared<RootContext>();
   context->root = &state;
   context->comm = state.config().comm;

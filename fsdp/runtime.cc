@@ -41,6 +41,7 @@ void end_iteration_without_backward(RootContext& context) {
   for (FSDPState* unit : context.states) {
     context.reshard(*unit);
     unit->set_training_state(TrainingState::kIdle);
+    for (const auto& handle : unit->handles()) handle->end_iteration();  // [Note: streams]
   }
   context.previous_forward_order = context.forward_order;
   context.phase = IterationPhase::kIdle;
@@ -59,6 +60,11 @@ void root_pre_forward(RootContext& context) {
   context.phase = IterationPhase::kForward;
   context.in_root_forward = true;
   context.root_nested = contract::hooked_forward_depth() > 1;  // this call counts one
+  // [Note: streams] The optimizer step (or a state-dict load) wrote the shards on the compute
+  // stream: the first all-gather waits for it, the later ones in this iteration need not.
+  for (FSDPState* unit : context.states) {
+    for (const auto& handle : unit->handles()) handle->begin_iteration();
+  }
 }
 
 // Checked iterations ([Note: divergence check]): before each forward call of a unit, every rank

@@ -235,6 +235,37 @@ void register_fallback_once() {
 
 at::Tensor replay(const Record& record, size_t upto, const std::string& name);
 
+// Puts `ours`' state into the default CPU generator until finish(), which moves the advanced state
+// back into `ours` and restores the default's. Another thread drawing from the default generator
+// meanwhile would draw from (and advance) this stream instead: materialization is meant to run
+// while nothing else draws random numbers.
+class DefaultGeneratorSwap {
+ public:
+  explicit DefaultGeneratorSwap(at::Generator& ours) : ours_(ours), default_(at::detail::getDefaultCPUGenerator()) {
+    std::lock_guard<std::mutex> lock(default_.mutex());
+    saved_ = default_.get_state();
+    default_.set_state(ours_.get_state());
+  }
+  void finish() {
+    std::lock_guard<std::mutex> lock(default_.mutex());
+    ours_.set_state(default_.get_state());
+    restore_locked();
+    done_ = true;
+  }
+  ~DefaultGeneratorSwap() {
+    if (done_) return;
+    std::lock_guard<std::mutex> lock(default_.mutex());
+    restore_locked();
+  }
+
+ private:
+  void restore_locked() { default_.set_state(saved_); }
+  at::Generator& ours_;
+  at::Generator default_;
+  at::Tensor saved_;
+  bool done_ = false;
+};
+
 // The value of a recorded call's tensor argument during replay of `self` (the memory being
 // replayed, `self_base` its values so far).
 at::Tensor replay_argument(const TensorRef& ref, const at::Tensor& original, const Record& self,
@@ -272,7 +303,11 @@ at::Tensor replay(const Record& record, size_t upto, const std::string& name) {
       }));
     }
     try {
+      // Calls without a generator argument (torch::randn(size), randperm, ...) draw from the
+      // default CPU generator: it runs on this memory's stream for the call.
+      DefaultGeneratorSwap swap(generator);
       step.op.callBoxed(stack);
+      swap.finish();
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, "fsdp::materialize: replaying ", step.op.schema().operator_name(), " for ", name,
                   " failed: ", e.what_without_backtrace());
@@ -335,11 +370,10 @@ at::Tensor materialize_values(const at::Tensor& tensor, const std::string& name)
 
 void adopt_values(const at::Tensor& meta, const at::Tensor& values) {
   TORCH_CHECK(meta.defined() && meta.is_meta(), "fsdp::adopt_values: the target is not a meta tensor");
-  TORCH_CHECK(values.defined() && !values.is_meta() && values.sizes() == meta.sizes() &&
-                  values.scalar_type() == meta.scalar_type(),
-              "fsdp::adopt_values: expected a real tensor of shape ", meta.sizes(), " and dtype ",
-              meta.scalar_type(), ", got ", values.defined() ? values.sizes() : at::IntArrayRef{}, " ",
-              values.defined() ? values.scalar_type() : meta.scalar_type(), values.defined() && values.is_meta() ? " on meta" : "");
+  TORCH_CHECK(values.defined() && !values.is_meta() && values.scalar_type() == meta.scalar_type(),
+              "fsdp::adopt_values: expected a real tensor of dtype ", meta.scalar_type(), ", got ",
+              values.defined() ? (values.is_meta() ? "a meta tensor" : std::string(c10::toString(values.scalar_type())))
+                               : "an undefined tensor");
   // set_data refuses a change of backend (meta -> CPU/CUDA); copying the metadata keeps the tensor
   // object (and its autograd identity: requires_grad, version counter) and takes `values`' memory.
   meta.unsafeGetTensorImpl()->shallow_copy_from(values.detach().getIntrusivePtr());

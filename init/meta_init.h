@@ -88,7 +88,8 @@ at::Tensor materialize_values(const at::Tensor& tensor, const std::string& name 
 
 /// Makes the meta tensor `meta` hold `values` in place: the same tensor object (the module's member,
 /// its parameter dict entry, the optimizer's reference all see it), now with `values`' memory,
-/// device and strides; requires_grad is kept. `values` must have its shape and dtype.
+/// device, shape and strides (as set_data does; fully_shard gives a parameter its 1-D shard view);
+/// requires_grad is kept. `values` must be a real tensor of the same dtype.
 void adopt_values(const at::Tensor& meta, const at::Tensor& values);
 
 /// A user's initialization of one meta tensor (FSDP1's `param_init_fn`, per tensor): `values` is

@@ -84,20 +84,6 @@ void pwrite_all(int fd, const void* data, int64_t size, int64_t offset, const st
   }
 }
 
-// Reads exactly [offset, offset + size) of the file into `data` (loops over short reads and EINTR).
-void pread_all(int fd, void* data, int64_t size, int64_t offset, const std::string& path, const char* api) {
-  char* p = static_cast<char*>(data);
-  while (size > 0) {
-    const ssize_t n = ::pread(fd, p, static_cast<size_t>(size), offset);
-    if (n < 0 && errno == EINTR) continue;
-    TORCH_CHECK(n >= 0, api, ": reading '", path, "' at offset ", offset, " failed: ", error_text(errno));
-    TORCH_CHECK(n > 0, api, ": unexpected end of '", path, "' at offset ", offset, " (", size,
-                " more bytes expected; was the file truncated?)");
-    p += n;
-    size -= n;
-    offset += n;
-  }
-}
 
 // Accumulates the CRC-32C of consecutive blocks of one entry's bytes, fed in pieces of any size.
 class BlockCrc {
@@ -203,6 +189,20 @@ std::string describe(const Json& value) {
 }
 
 }  // namespace
+
+void pread_all(int fd, void* data, int64_t size, int64_t offset, const std::string& path, const char* api) {
+  char* p = static_cast<char*>(data);
+  while (size > 0) {
+    const ssize_t n = ::pread(fd, p, static_cast<size_t>(size), offset);
+    if (n < 0 && errno == EINTR) continue;
+    TORCH_CHECK(n >= 0, api, ": reading '", path, "' at offset ", offset, " failed: ", error_text(errno));
+    TORCH_CHECK(n > 0, api, ": unexpected end of '", path, "' at offset ", offset, " (", size,
+                " more bytes expected; was the file truncated?)");
+    p += n;
+    size -= n;
+    offset += n;
+  }
+}
 
 std::string safetensors_dtype_name(c10::ScalarType dtype) {
   for (const auto& d : kDtypeNames) {

@@ -64,6 +64,10 @@ struct SafetensorsHeader {
   const SafetensorsEntry* find(const std::string& key) const;
 };
 
+/// Reads exactly bytes [offset, offset + size) of the open file `fd` into `data` (loops over short
+/// reads and EINTR). An error or a file that ends first is a c10::Error naming `api` and `path`.
+void pread_all(int fd, void* data, int64_t size, int64_t offset, const std::string& path, const char* api);
+
 /// One tensor to write: any dtype safetensors knows, any device, any layout (written row-major).
 struct SafetensorsItem {
   std::string key;

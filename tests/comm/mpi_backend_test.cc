@@ -10,6 +10,8 @@
 #include <ATen/ATen.h>
 
 #include "comm/mpi_backend.h"
+#include "comm/mpi_progress.h"
+#include "comm/mpi_runtime.h"
 #include "tests/testing/multi_rank.h"
 
 namespace {
@@ -38,6 +40,30 @@ void check_equal(const at::Tensor& actual, const at::Tensor& expected, const std
   INFO(what << ": dtype " << actual.scalar_type() << ", " << actual.numel() << " elements");
   REQUIRE(actual.numel() == expected.numel());
   CHECK(actual.to(at::kDouble).reshape({-1}).equal(expected.to(at::kDouble).reshape({-1})));
+}
+
+fsdp::comm::MpiBackend& world_mpi() {
+  auto* mpi = dynamic_cast<fsdp::comm::MpiBackend*>(world().backend().get());
+  REQUIRE(mpi != nullptr);
+  return *mpi;
+}
+
+// Sets the world backend's wait path for one test case and restores it after.
+class WaitPath {
+ public:
+  explicit WaitPath(bool wait_drives_progress) : before_(world_mpi().wait_drives_progress()) {
+    world_mpi().set_wait_drives_progress(wait_drives_progress);
+  }
+  ~WaitPath() { world_mpi().set_wait_drives_progress(before_); }
+
+ private:
+  bool before_;
+};
+
+// Rank 0 joins late: every other rank's collective stays incomplete until then, so those ranks
+// are certainly inside wait() (and drive it, if they may) when it completes.
+void rank0_arrives_late() {
+  if (rank() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(150));
 }
 
 }  // namespace
@@ -311,4 +337,132 @@ FSDP_RANKS_TEST_CASE("wrong input is a clear error naming the collective and the
   at::Tensor t = at::ones({2});
   world().all_reduce(t).wait();
   CHECK(t.equal(at::full({2}, W, at::kFloat)));
+}
+
+// [Note: MPI progress]: wait() on the only outstanding collective drives it on the waiting thread.
+
+FSDP_RANKS_TEST_CASE("MPI runs with a thread level that lets several threads call it in turn", "[comm][mpi]") {
+  const int level = fsdp::comm::mpi::thread_level();
+  CHECK((level == MPI_THREAD_SERIALIZED || level == MPI_THREAD_MULTIPLE));
+}
+
+FSDP_RANKS_TEST_CASE("wait() on the only collective in flight completes it on the waiting thread", "[comm][mpi]") {
+  const int W = world_size();
+  WaitPath path(true);
+  for (const bool late : {true, false}) {
+    const auto before = fsdp::comm::mpi::progress_counters();
+    if (late) rank0_arrives_late();
+    at::Tensor t = rank_values(rank(), 1001, at::kFloat);
+    world().all_reduce(t).wait();
+    check_equal(t, expected_sum(W, at::arange(1001, at::kLong)), "all_reduce waited by the issuer");
+    at::Tensor gathered = at::empty({W * 9}, at::kDouble);
+    world().all_gather_into_tensor(gathered, rank_values(rank(), 9, at::kDouble)).wait();
+    std::vector<at::Tensor> parts;
+    for (int r = 0; r < W; ++r) parts.push_back(rank_values(r, 9, at::kDouble));
+    check_equal(gathered, at::cat(parts), "all_gather waited by the issuer");
+    const auto after = fsdp::comm::mpi::progress_counters();
+    if (late && W > 1 && rank() != 0) {
+      // The all-reduce could not complete before rank 0 arrived 150 ms later: this thread was
+      // waiting then, so it drove it and completed it itself.
+      CHECK(after.drives > before.drives);
+      CHECK(after.completed_by_waiter > before.completed_by_waiter);
+    }
+    if (W == 1) {
+      // One rank completes inline: the progress engine is not involved at all.
+      CHECK(after.drives == before.drives);
+    }
+  }
+}
+
+FSDP_RANKS_TEST_CASE("wait() from another thread than the issuing one drives and completes it", "[comm][mpi]") {
+  const int W = world_size();
+  WaitPath path(true);
+  const auto before = fsdp::comm::mpi::progress_counters();
+  rank0_arrives_late();
+  at::Tensor input = rank_values(rank(), 13 * W, at::kLong);
+  at::Tensor output = at::full({13}, -1, at::kLong);
+  auto pending = world().reduce_scatter_tensor(output, input);
+  bool completed_in_thread = false;
+  std::thread waiter([&] {
+    pending.wait();
+    completed_in_thread = pending.completed();
+  });
+  waiter.join();
+  CHECK(completed_in_thread);
+  check_equal(output, expected_sum(W, at::arange(rank() * 13, rank() * 13 + 13, at::kLong)),
+              "reduce_scatter waited by another thread");
+  pending.wait();  // a second wait, on the issuing thread, returns at once
+  const auto after = fsdp::comm::mpi::progress_counters();
+  if (W > 1 && rank() != 0) CHECK(after.completed_by_waiter > before.completed_by_waiter);
+}
+
+FSDP_RANKS_TEST_CASE("several outstanding collectives waited out of order, both wait paths mixed", "[comm][mpi]") {
+  const int W = world_size();
+  WaitPath path(true);
+  for (int round = 0; round < 3; ++round) {
+    if (round == 1) rank0_arrives_late();
+    std::vector<at::Tensor> reduced;
+    std::vector<fsdp::comm::PendingCollective> pending;
+    for (int k = 0; k < 6; ++k) {
+      // Alternate the paths: a collective the progress thread must issue stays ahead of the ones
+      // issued after it on the calling thread (same order on every rank).
+      world_mpi().set_wait_drives_progress(k % 2 == round % 2);
+      reduced.push_back(rank_values(rank(), 50 + 11 * k, at::kDouble));
+      pending.push_back(world().all_reduce(reduced.back()));
+    }
+    world_mpi().set_wait_drives_progress(true);
+    at::Tensor gathered = at::empty({W * 5}, at::kInt);
+    pending.push_back(world().all_gather_into_tensor(gathered, rank_values(rank(), 5, at::kInt)));
+    // Out of order: odd ones newest first from this thread, even ones from another thread.
+    std::thread other([&] {
+      for (int k = 4; k >= 0; k -= 2) pending[k].wait();
+    });
+    pending[6].wait();
+    for (int k = 5; k >= 1; k -= 2) pending[k].wait();
+    other.join();
+    for (auto& p : pending) CHECK(p.completed());
+    for (int k = 0; k < 6; ++k) {
+      check_equal(reduced[k], expected_sum(W, at::arange(50 + 11 * k, at::kLong)),
+                  "out-of-order all_reduce " + std::to_string(k));
+    }
+    std::vector<at::Tensor> parts;
+    for (int r = 0; r < W; ++r) parts.push_back(rank_values(r, 5, at::kInt));
+    check_equal(gathered, at::cat(parts), "out-of-order all_gather");
+  }
+}
+
+FSDP_RANKS_TEST_CASE("a collective issued while another thread drives is completed too", "[comm][mpi]") {
+  const int W = world_size();
+  WaitPath path(true);
+  rank0_arrives_late();
+  at::Tensor first = rank_values(rank(), 64, at::kFloat);
+  auto first_pending = world().all_reduce(first);
+  at::Tensor second = rank_values(rank(), 32, at::kFloat);
+  fsdp::comm::PendingCollective second_pending;
+  // The main thread waits (and drives, on ranks other than 0) while another thread issues the
+  // next collective; nobody waits for the second one until the first is done.
+  std::thread issuer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    second_pending = world().all_reduce(second);
+  });
+  first_pending.wait();
+  issuer.join();
+  second_pending.wait();
+  check_equal(first, expected_sum(W, at::arange(64, at::kLong)), "first all_reduce");
+  check_equal(second, expected_sum(W, at::arange(32, at::kLong)), "second all_reduce");
+}
+
+FSDP_RANKS_TEST_CASE("the progress thread alone still completes what nobody waits for", "[comm][mpi]") {
+  const int W = world_size();
+  WaitPath path(true);
+  at::Tensor t = rank_values(rank(), 100, at::kFloat);
+  auto pending = world().all_reduce(t);
+  // Nobody calls wait(): the progress thread must complete it by itself (overlap with compute).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!pending.completed() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  CHECK(pending.completed());
+  pending.wait();
+  check_equal(t, expected_sum(W, at::arange(100, at::kLong)), "all_reduce nobody waited for");
 }

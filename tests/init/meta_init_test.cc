@@ -198,6 +198,31 @@ TEST_CASE("Same seed, same values whatever the materialization order", "[meta_in
   REQUIRE(!torch::equal(fsdp::materialize_values(d->parameters()[0]), fsdp::materialize_values(e->parameters()[0])));
 }
 
+TEST_CASE("Random factories without a generator argument replay deterministically", "[meta_init]") {
+  // torch::randn(size) and randint call overloads with no generator: they draw from the default
+  // generator, which replay points at the memory's own stream for the call.
+  auto make = [] {
+    auto m = std::make_shared<torch::nn::Module>();
+    m->register_buffer("noise", torch::randn({64}) * 0.1);
+    m->register_buffer("ints", torch::randint(0, 1000, {32}));
+    m->register_parameter("w", torch::rand({4, 4}));
+    return m;
+  };
+  auto a = build_meta(make, 9);
+  auto b = build_meta(make, 9);
+  const auto first = fsdp::materialize_values(a->named_buffers()["noise"]);
+  torch::manual_seed(123);  // the default generator's own state does not matter
+  const auto expected_next = torch::rand({3});
+  torch::manual_seed(123);
+  REQUIRE(torch::equal(fsdp::materialize_values(a->named_buffers()["noise"]), first));
+  REQUIRE(torch::equal(torch::rand({3}), expected_next));  // and is left as it was
+  fsdp::materialize_module(*b);
+  REQUIRE(torch::equal(b->named_buffers()["noise"], first));
+  REQUIRE(first.std().item<double>() > 0.05);
+  REQUIRE(b->named_buffers()["ints"].equal(fsdp::materialize_values(a->named_buffers()["ints"])));
+  REQUIRE(b->named_buffers()["ints"].max().item<int64_t>() > 0);
+}
+
 TEST_CASE("An init function replaces the recorded initialization", "[meta_init]") {
   auto meta = build_meta([] { return torch::nn::Linear(8, 4).ptr(); }, 0);
   std::vector<std::string> seen;
