@@ -14,8 +14,8 @@
 #                     goes next to it (same name, .png), the programs' raw JSON into its folder
 #   --quick           fewer steps (a smoke run; medians are noisier)
 #
-# Needs the README's set-up (tools/setup.sh, run first if anything is missing); installs matplotlib
-# machine-wide if it is missing. Every process runs one intra-op thread (the machine has 2 cores).
+# Runs tools/setup.sh --bench first (the README's set-up, and matplotlib in the benchmarks' own Python
+# environment, tools/requirements-bench.txt). Every process runs one intra-op thread (the machine has 2 cores).
 # The C++ program is built with -c opt and without Bazel's convenience symlinks (so bazel-bin keeps
 # pointing wherever the last ordinary build left it).
 set -euo pipefail
@@ -38,22 +38,11 @@ mkdir -p "$outdir"
 
 log() { echo "[benchmark] $*" >&2; }
 
-# --- set-up: the README's, then what only the benchmark needs
-if ! command -v bazel >/dev/null || ! command -v mpirun >/dev/null ||
-   ! python3 -c 'import torch' 2>/dev/null; then
-  tools/setup.sh
-fi
-if ! python3 -c 'import matplotlib' 2>/dev/null; then
-  log "installing matplotlib (machine-wide)"
-  if ! python3 -m pip install --quiet matplotlib 2>/tmp/fsdp_bench_pip.err; then
-    if grep -q externally-managed /tmp/fsdp_bench_pip.err; then
-      python3 -m pip install --quiet --break-system-packages matplotlib
-    else
-      cat /tmp/fsdp_bench_pip.err >&2
-      exit 1
-    fi
-  fi
-fi
+# --- set-up: the README's, plus the benchmarks' Python environment (matplotlib, layered on the
+# test environment so that one keeps holding exactly tools/requirements.txt)
+tools/setup.sh --bench >&2
+. tools/python_env.sh
+py="$FSDP_BENCH_PYTHON"
 
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -92,7 +81,7 @@ log "weights and data for both sides -> $init"
 "$bin" --write-init "$init" >&2
 
 log "PyTorch FSDP2 / FSDP1 on the CPU with Gloo: checking they run"
-python3 tools/bench/torch_bench.py --check --out "$outdir/py_check.json" >&2
+"$py" tools/bench/torch_bench.py --check --out "$outdir/py_check.json" >&2
 
 log "this project, world size 1 (plain run): local vs fully_shard"
 "$bin" --init "$init" --out "$outdir/cpp_w1.json" "${cpp_steps[@]}"
@@ -102,15 +91,15 @@ TMPDIR="$work" mpirun --oversubscribe --bind-to none -np 2 -x OMP_NUM_THREADS -x
   "$bin" --init "$init" --out "$outdir/cpp_w2.json" --local 0 "${cpp2_steps[@]}"
 
 log "PyTorch, world size 1: local, FSDP2, FSDP1"
-python3 tools/bench/torch_bench.py --init "$init" --out "$outdir/py_w1.json" --world 1 \
+"$py" tools/bench/torch_bench.py --init "$init" --out "$outdir/py_w1.json" --world 1 \
   --variants local,fsdp2,fsdp1 "${py1_steps[@]}"
 
 log "PyTorch, world size 2 (2 processes, Gloo): FSDP2, FSDP1"
-python3 tools/bench/torch_bench.py --init "$init" --out "$outdir/py_w2.json" --world 2 \
+"$py" tools/bench/torch_bench.py --init "$init" --out "$outdir/py_w2.json" --world 2 \
   --variants fsdp2,fsdp1 "${py2_steps[@]}"
 
 log "runs took $((SECONDS - start)) s; load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
-python3 tools/bench/report.py --dir "$outdir" --out "$out" --png "$png"
+"$py" tools/bench/report.py --dir "$outdir" --out "$out" --png "$png"
 
 # Checkpoints: fsdp::dcp save/load throughput and memory against dd and Python DCP (its own table).
 log "checkpoints: tools/checkpoint_benchmark.sh -> $outdir/checkpoint.txt"

@@ -24,6 +24,8 @@ while [ $# -gt 0 ]; do
   esac
 done
 log() { echo "[checkpoint-benchmark] $*" >&2; }
+tools/setup.sh --bench >&2
+. tools/python_env.sh
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 work=$(mktemp -d /tmp/fsdpk.XXXXXX)
@@ -62,8 +64,8 @@ for n in 1 2; do
 done
 for n in 1 2; do
   log "Python DCP on $n process(es)"
-  python3 tools/bench/python_dcp_bench.py --size-mb "$size_mb" --dir "$dir/py_w$n" --world-size "$n" \
+  "$FSDP_BENCH_PYTHON" tools/bench/python_dcp_bench.py --size-mb "$size_mb" --dir "$dir/py_w$n" --world-size "$n" \
     --repeats "$repeats" | tee -a "$results"
   rm -rf "$dir/py_w$n"
 done
-python3 tools/bench/checkpoint_report.py "$results" | tee "${out:-/dev/null}"
+"$FSDP_BENCH_PYTHON" tools/bench/checkpoint_report.py "$results" | tee "${out:-/dev/null}"

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Checks the library from another Bazel workspace, as a monorepo uses it: builds
+# Checks the library from another Bazel workspace, as a monorepo uses it: checks that the README's
+# example and BUILD/.bazelrc lines are examples/consumer's files (tools/check_readme_snippets.py), builds
 # examples/consumer (which declares this repository with local_repository and calls
 # fsdp_dependencies()) in an output base of its own, with that workspace's .bazelrc only (no
-# language level, no ~/.bazelrc), then runs its program alone and under mpirun on 1 and 2 ranks;
-# the program checks each step's loss against an unsharded reference. Prints the time of each phase
+# language level, no ~/.bazelrc), then runs the README's example under mpirun on 1 and 2 ranks and
+# train_tiny alone and on 1 and 2 ranks; train_tiny checks each step's loss against an unsharded
+# reference. Prints the time of each phase
 # and ends with "consumer check: passed" (exit 0) or "consumer check: FAILED" (exit 1).
 #
 #   tools/consumer_check.sh                     # a fresh output base in /tmp, removed at the end
@@ -21,6 +23,8 @@ consumer="$root/examples/consumer"
 
 fail() { echo "consumer check: $*" >&2; echo "consumer check: FAILED"; exit 1; }
 
+python3 "$root/tools/check_readme_snippets.py" "$root" ||
+  fail "the README's consumer snippets differ from examples/consumer (see above)"
 if grep -q -- '-std=' "$consumer/.bazelrc"; then
   fail "examples/consumer/.bazelrc sets a language level; the library's targets must not need one"
 fi
@@ -51,17 +55,23 @@ if [ -n "$disk_cache" ]; then
 fi
 
 start=$(date +%s)
-echo "=== building //:train_tiny in examples/consumer (output base $output_base)"
-(cd "$consumer" && "${bazel_cmd[@]}" build "${build_flags[@]}" //:train_tiny) ||
+echo "=== building //:train (the README's example) and //:train_tiny in examples/consumer (output base $output_base)"
+(cd "$consumer" && "${bazel_cmd[@]}" build "${build_flags[@]}" //:train //:train_tiny) ||
   fail "the consumer workspace does not build"
 built=$(date +%s)
 bin_dir=$(cd "$consumer" && "${bazel_cmd[@]}" info "${build_flags[@]}" bazel-bin 2>/dev/null) ||
   fail "bazel info bazel-bin failed"
 binary="$bin_dir/train_tiny"
 [ -x "$binary" ] || fail "$binary was not built"
+[ -x "$bin_dir/train" ] || fail "$bin_dir/train was not built"
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 export TMPDIR="$work"
+for n in 1 2; do
+  echo "=== the README's example under mpirun on $n rank(s)"
+  mpirun --oversubscribe --bind-to none -np "$n" -x OMP_NUM_THREADS "$bin_dir/train" ||
+    fail "the README's example failed on $n rank(s)"
+done
 echo "=== train_tiny without a launcher"
 "$binary" || fail "train_tiny failed without a launcher"
 for n in 1 2; do

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Installs whatever the project needs and this machine lacks; safe to run again, and fast when
 # everything is there. Debian 12: Bazel 4 (bazel-bootstrap, bazel-rules-java), Catch2, Open MPI;
-# PyPI: the pinned torch package (the LibTorch we build against; version in tools/TORCH_VERSION),
-# installed machine-wide so every clone finds it, and the safetensors package (tests check that Python
-# reads and writes our checkpoints). Set LIBTORCH_HOME to use an unpacked LibTorch
-# instead of the torch package.
+# PyPI: every package of tools/requirements.txt (torch, the LibTorch we build against; safetensors
+# and numpy for the interop tests), pinned, in a virtual environment of the project's shared by every
+# clone on this machine (~/.cache/fsdp_cpp/venv; see tools/python_env.sh). `tools/setup.sh --bench`
+# also builds the benchmarks' environment (tools/requirements-bench.txt). Set LIBTORCH_HOME to build
+# against an unpacked LibTorch instead of the torch package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 log() { echo "[setup] $*"; }
 
-debs=(bazel-bootstrap bazel-rules-java catch2 libopenmpi-dev openmpi-bin python3 nlohmann-json3-dev)
+debs=(bazel-bootstrap bazel-rules-java catch2 libopenmpi-dev openmpi-bin python3 python3-venv nlohmann-json3-dev)
 missing=()
 for pkg in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
@@ -23,40 +24,45 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -q "${missing[@]}"
 fi
 
-torch_version=$(tr -d '[:space:]' < tools/TORCH_VERSION)
+. tools/python_env.sh
+want_bench=0
+[ "${1:-}" = "--bench" ] && want_bench=1
+
+# The Python environment: a virtual environment holding exactly tools/requirements.txt and what it
+# depends on, nothing from the machine's own site-packages. It is rebuilt from scratch when the list
+# changes or when its contents differ from what was installed (a package added by hand), so a test
+# that needs a package the list does not name fails here as on a fresh machine. Wheels come from
+# pip's cache after the first time (a rebuild takes a minute or two, not a download of torch).
+env_state() {  # the list and the environment's contents, one line each
+  cat "$1"
+  echo "--- installed"
+  "$2" -m pip freeze --all 2>/dev/null | LC_ALL=C sort
+}
+make_env() {  # make_env VENV REQUIREMENTS [LAYER_SITE_PACKAGES]
+  local venv=$1 req=$2 layer=${3:-}
+  local stamp="$venv/.fsdp_env_state"
+  if [ -x "$venv/bin/python" ] && [ -f "$stamp" ] &&
+     [ "$(env_state "$req" "$venv/bin/python")" = "$(cat "$stamp")" ]; then
+    return 0
+  fi
+  log "building the Python environment $venv from $req"
+  rm -rf "$venv"
+  python3 -m venv "$venv" || { echo "[setup] python3 -m venv failed (Debian: apt-get install python3-venv)" >&2; return 1; }
+  if [ -n "$layer" ]; then  # see the packages of the environment below as installed
+    echo "$layer" > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/fsdp_layer.pth"
+  fi
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$req" || return 1
+  env_state "$req" "$venv/bin/python" > "$stamp"
+}
 if [ -n "${LIBTORCH_HOME:-}" ]; then
   [ -d "$LIBTORCH_HOME/include" ] && [ -d "$LIBTORCH_HOME/lib" ] ||
     { echo "[setup] LIBTORCH_HOME=$LIBTORCH_HOME has no include/ and lib/"; exit 1; }
-  log "using LibTorch from LIBTORCH_HOME=$LIBTORCH_HOME"
-else
-  installed=$(python3 -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
-  if [ "$installed" != "$torch_version" ]; then
-    log "installing torch==$torch_version from PyPI (with its CUDA runtime wheels; several GB, once per machine)"
-    pip_args=(install --quiet "torch==$torch_version")
-    if ! python3 -m pip "${pip_args[@]}" 2> /tmp/fsdp_setup_pip.err; then
-      if grep -q externally-managed /tmp/fsdp_setup_pip.err; then
-        python3 -m pip "${pip_args[@]}" --break-system-packages
-      else
-        cat /tmp/fsdp_setup_pip.err >&2
-        exit 1
-      fi
-    fi
-  fi
+  log "using LibTorch from LIBTORCH_HOME=$LIBTORCH_HOME (the Python tests still use $FSDP_VENV)"
 fi
-# Python packages beside torch, in the interpreter that has torch (checkpoint interop tests).
-safetensors_version=0.8.0
-py_missing=()
-python3 -c "import safetensors, sys; sys.exit(safetensors.__version__ != '$safetensors_version')" 2>/dev/null ||
-  py_missing+=("safetensors==$safetensors_version")
-if [ ${#py_missing[@]} -gt 0 ]; then
-  log "installing ${py_missing[*]} from PyPI"
-  if ! python3 -m pip install --quiet "${py_missing[@]}" 2> /tmp/fsdp_setup_pip.err; then
-    if grep -q externally-managed /tmp/fsdp_setup_pip.err; then
-      python3 -m pip install --quiet "${py_missing[@]}" --break-system-packages
-    else
-      cat /tmp/fsdp_setup_pip.err >&2
-      exit 1
-    fi
-  fi
+make_env "$FSDP_VENV" tools/requirements.txt || exit 1
+if [ "$want_bench" = 1 ]; then
+  site=$("$FSDP_PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  make_env "$FSDP_BENCH_VENV" tools/requirements-bench.txt "$site" || exit 1
 fi
-log "ready: $(bazel --version 2>/dev/null | head -1), Open MPI $(mpirun --version 2>/dev/null | head -1 | awk '{print $NF}'), torch ${LIBTORCH_HOME:-$torch_version}"
+torch_version=$("$FSDP_PYTHON" -c 'import torch; print(torch.__version__)')
+log "ready: $(bazel --version 2>/dev/null | head -1), Open MPI $(mpirun --version 2>/dev/null | head -1 | awk '{print $NF}'), torch ${LIBTORCH_HOME:-$torch_version}, Python $FSDP_PYTHON"

@@ -94,6 +94,34 @@ struct ViewChainImpl : torch::nn::Module {
 };
 FSDP_HOOKABLE_MODULE(ViewChain);
 
+// Units returning a fresh tensor, which the caller modifies in place through views it takes itself
+// (`out.view(...).mul_(2)`, `out.narrow(...).add_(1)`): autograd rebases the output's history onto
+// CopySlices, and the unit's pre-backward hook, registered on the output's original history, must
+// still run.
+struct BaseOutImpl : torch::nn::Module {
+  explicit BaseOutImpl(int64_t dim) { fc = register_module("fc", fsdp::contract::Linear(dim, dim)); }
+  torch::Tensor forward(torch::Tensor x) { return fc(x); }
+  fsdp::contract::Linear fc{nullptr};
+};
+FSDP_HOOKABLE_MODULE(BaseOut);
+
+struct CallerViewChainImpl : torch::nn::Module {
+  CallerViewChainImpl(int64_t dim, int64_t depth) {
+    for (int64_t i = 0; i < depth; ++i) layers.push_back(register_module("u" + std::to_string(i), BaseOut(dim)));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& layer : layers) {
+      at::Tensor out = layer(x);
+      out.view({-1}).mul_(2);       // a view of the whole output
+      out.narrow(1, 0, 2).add_(1);  // a view of part of it
+      x = x + torch::tanh(out);
+    }
+    return x;
+  }
+  std::vector<BaseOut> layers;
+};
+FSDP_HOOKABLE_MODULE(CallerViewChain);
+
 constexpr int64_t kDim = 8;
 constexpr int64_t kDepth = 6;
 
@@ -258,6 +286,14 @@ FSDP_RANKS_TEST_CASE("a unit's output view modified in place by the caller", "[p
     PatternOptions o;
     o.shard.strategy(strategy);
     check_parity<ViewChain>("in-place on output views", &plain_step<ViewChain>, o);
+  }
+}
+
+FSDP_RANKS_TEST_CASE("a unit's output modified in place by the caller through views it takes", "[patterns][views]") {
+  for (auto strategy : {fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp}) {
+    PatternOptions o;
+    o.shard.strategy(strategy);
+    check_parity<CallerViewChain>("in-place through the caller's views", &plain_step<CallerViewChain>, o);
   }
 }
 

@@ -1,8 +1,11 @@
 """Declares @libtorch: LibTorch from LIBTORCH_HOME (an official LibTorch zip) or, when that is unset,
-from the torch package that `python3 -c 'import torch'` finds (tools/setup.sh installs the pinned one).
+from the torch package of the project's Python (PYTHON_BIN_PATH, else tools/setup.sh's environment
+~/.cache/fsdp_cpp/venv, else `python3` on PATH; tools/setup.sh installs the pinned one).
 
 Libraries are linked by -L/-l with an absolute rpath to the real lib folder, so each library's own
 $ORIGIN rpath (the torch wheel's way of finding the nvidia-* runtime wheels) keeps working."""
+
+load("//third_party/python:workspace.bzl", "project_python")
 
 _CUDA_INCLUDE_CANDIDATES = [
     "../nvidia/cu13/include",  # torch wheels built for CUDA 13
@@ -29,7 +32,7 @@ def _torch_dir(ctx):
     home = ctx.os.environ.get("LIBTORCH_HOME", "")
     if home:
         return home
-    python = ctx.os.environ.get("PYTHON_BIN_PATH", "") or "python3"
+    python = project_python(ctx) or "python3"
     res = ctx.execute([python, "-c", "import os, torch; print(os.path.dirname(torch.__file__))"])
     if res.return_code != 0:
         fail("@libtorch: no LibTorch found. Run tools/setup.sh (installs the pinned torch package) " +
@@ -63,7 +66,7 @@ libtorch_repository = repository_rule(
     implementation = _libtorch_repository_impl,
     # A Label, not a string: resolved in this repository even when another workspace declares @libtorch.
     attrs = {"build_template": attr.label(default = Label("//third_party/libtorch:libtorch.BUILD.tpl"))},
-    environ = ["LIBTORCH_HOME", "PYTHON_BIN_PATH"],
+    environ = ["LIBTORCH_HOME", "PYTHON_BIN_PATH", "FSDP_VENV", "HOME"],
     local = True,
 )
 

@@ -1,8 +1,9 @@
 """Declares @torch_python: the Python interpreter that imports both torch and safetensors, for tests
 that run Python scripts (checkpoint interoperability with torch.distributed.checkpoint).
 
-The interpreter is PYTHON_BIN_PATH if set, else the first `python3` on PATH (the one tools/setup.sh
-installs torch and safetensors into). Its real executable (`sys.executable`, so a pyenv shim is
+The interpreter is PYTHON_BIN_PATH if set, else the project's virtual environment that tools/setup.sh
+builds from tools/requirements.txt (FSDP_VENV, default ~/.cache/fsdp_cpp/venv), else the first
+`python3` on PATH. Its real executable (`sys.executable`, so a pyenv shim is
 resolved to the binary behind it) is recorded as an absolute path, because Bazel runs tests with a
 PATH of its own.
 
@@ -25,8 +26,20 @@ print(torch.__version__)
 print(safetensors.__version__)
 """
 
-def _torch_python_repository_impl(ctx):
+def project_python(ctx):
+    """PYTHON_BIN_PATH, else the interpreter of tools/setup.sh's environment if it exists, else ""."""
     python = ctx.os.environ.get("PYTHON_BIN_PATH", "")
+    if python:
+        return python
+    venv = ctx.os.environ.get("FSDP_VENV", "")
+    if not venv and ctx.os.environ.get("HOME", ""):
+        venv = ctx.os.environ["HOME"] + "/.cache/fsdp_cpp/venv"
+    if venv and ctx.path(venv + "/bin/python").exists:
+        return venv + "/bin/python"
+    return ""
+
+def _torch_python_repository_impl(ctx):
+    python = project_python(ctx)
     if not python:
         found = ctx.which("python3")
         if found == None:
@@ -66,7 +79,7 @@ exports_files(["defs.bzl", "python.sh"])
 
 torch_python_repository = repository_rule(
     implementation = _torch_python_repository_impl,
-    environ = ["PYTHON_BIN_PATH", "PATH"],
+    environ = ["PYTHON_BIN_PATH", "FSDP_VENV", "HOME", "PATH"],
     local = True,
 )
 
