@@ -36,7 +36,7 @@ struct ModelImpl : torch::nn::Module {
 FSDP_HOOKABLE_MODULE(Model);
 
 int main() {
-  auto pg = fsdp::comm::init_process_group();   // under mpirun or torchrun, or alone (1 rank)
+  auto pg = fsdp::comm::init_process_group();   // under mpirun, or alone (1 rank); torchrun: CUDA
   const int rank = pg.comm->rank();
   torch::manual_seed(0);                        // the same initial model on every rank
   Model model(4);
