@@ -1,5 +1,6 @@
 #include "comm/init.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 
@@ -37,6 +38,27 @@ c10::intrusive_ptr<c10d::Backend> make_mpi_backend(const LaunchInfo& launch,
   return backend;
 }
 
+// [Note: CPU jobs under torchrun] CPU tensors communicate through the Open MPI backend, and MPI
+// needs its own launcher: under torchrun every process would be a one-rank MPI job. The other CPU
+// transport, c10d::ProcessGroupGloo, is exported by LibTorch's libtorch_cpu, but its header
+// includes gloo's headers (gloo/context.h, gloo/transport/device.h, ...), which the wheel does not
+// ship; Debian's libgloo-dev is a 2022 snapshot, not necessarily the gloo the wheel was built with,
+// and compiling the header's inline code against other gloo headers is not sound unless the two
+// are shown to be the same ABI, which has not been done. So a CPU job launched by the real
+// torchrun (TORCHELASTIC_RUN_ID set) cannot run: every rank says why and exits with status 1,
+// before MPI is touched, instead of throwing out of main (std::terminate: abort() and a C++ trace on every rank). A plain RANK/WORLD_SIZE
+// launch that disagrees with MPI stays an exception (make_mpi_backend).
+[[noreturn]] void refuse_cpu_job_under_torchrun(const LaunchInfo& launch) {
+  std::fprintf(stderr,
+               "[fsdp comm] rank %d of %d: fsdp::comm::init_process_group: this CPU job was launched by "
+               "torchrun, but CPU tensors communicate through MPI, which torchrun does not start (each "
+               "process would be a job of its own). Launch CPU jobs with `mpirun -np %d ...`, or train on "
+               "CUDA tensors (NCCL) under torchrun.\n",
+               launch.rank, launch.world_size, launch.world_size);
+  std::fflush(stderr);
+  std::exit(1);
+}
+
 }  // namespace
 
 std::chrono::milliseconds resolve_timeout(const InitOptions& options) {
@@ -72,6 +94,10 @@ ProcessGroup init_process_group(InitOptions options) {
 
   c10::intrusive_ptr<c10d::Backend> backend;
   if (group.device.is_cpu()) {
+    if (group.launch.launcher == Launcher::kTorchrun && !group.launch.run_id.empty() &&
+        group.launch.world_size > 1) {
+      refuse_cpu_job_under_torchrun(group.launch);
+    }
     backend = make_mpi_backend(group.launch, timeout);
   } else {
     BackendFactory factory = find_backend_factory(group.device.type());

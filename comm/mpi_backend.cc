@@ -5,9 +5,11 @@
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 
+#include <array>
 #include <cstdlib>
 #include <memory>
 
+#include "comm/issuing_api.h"
 #include "comm/mpi_progress.h"
 #include "comm/mpi_runtime.h"
 #include "comm/mpi_types.h"
@@ -26,20 +28,15 @@ class MpiWork final : public c10d::Work {
         future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors())) {}
 
   // Set once, by enqueue, before the Work is handed to the caller.
-  void set_submitted(std::shared_ptr<mpi::Submitted> submitted, bool wait_drives_progress) {
-    submitted_ = std::move(submitted);
-    wait_drives_progress_ = wait_drives_progress;
-  }
+  void set_submitted(std::shared_ptr<mpi::Submitted> submitted) { submitted_ = std::move(submitted); }
 
   // Without a time limit, waits through the progress engine, which lets this thread drive the
-  // collective when it is the only one outstanding ([Note: MPI progress]); then the base class
-  // rethrows the collective's error. With a time limit (c10d's own timeout semantics), or when
-  // the backend's wait_drives_progress was off at issue, sleeps until the progress thread
-  // completed it.
+  // collective when it is the only one outstanding and the backend's wait_drives_progress was on
+  // at issue, and always inside a completion callback (this thread may be the only poller;
+  // [Note: MPI progress]); then the base class rethrows the collective's error. With a time limit
+  // (c10d's own timeout semantics), sleeps until the progress thread completed it.
   bool wait(std::chrono::milliseconds timeout) override {
-    if (submitted_ && wait_drives_progress_ && timeout == kNoTimeout && !isCompleted()) {
-      mpi::wait(submitted_);
-    }
+    if (submitted_ && timeout == kNoTimeout && !isCompleted()) mpi::wait(submitted_);
     return c10d::Work::wait(timeout);
   }
 
@@ -60,7 +57,6 @@ class MpiWork final : public c10d::Work {
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::shared_ptr<mpi::Submitted> submitted_;
-  bool wait_drives_progress_ = false;
 };
 
 std::string describe(const at::Tensor& t) {
@@ -128,6 +124,89 @@ int to_count(int64_t numel, const char* collective) {
   return static_cast<int>(numel);
 }
 
+// [Note: MPI size check] MPI cannot tell reliably that ranks called different collectives, or the
+// same one with different sizes: a sender with more data than the receiver expects gives
+// MPI_ERR_TRUNCATE on some ranks while others wait forever, and one with less may even complete
+// with garbage. So before a collective runs, the ranks exchange what they are about to run (kind,
+// dtype, element count, root or reduce op) with one MPI_Iallreduce(MAX) of 8 integers, each field
+// also negated: the maximum of -x is minus the minimum of x, so every rank learns the range of
+// every field and sees a mismatch at the same collective. The exchange runs on a communicator of
+// its own (the check for the next collective can be in flight while this one runs), and the
+// collective itself starts only once its check passed, in submission order ([Note: MPI progress]).
+// A mismatch fails the collective on every rank, and since it ran nowhere the group stays usable.
+constexpr int kCheckFields = 4;  // kind, dtype, count, root or reduce op
+
+struct SizeCheck {
+  std::array<int64_t, 2 * kCheckFields> mine{};
+  std::array<int64_t, 2 * kCheckFields> max{};
+};
+
+const char* kind_name(int64_t code) {
+  switch (static_cast<c10d::OpType>(code)) {
+    case c10d::OpType::BROADCAST: return "broadcast";
+    case c10d::OpType::ALLREDUCE: return "allreduce";
+    case c10d::OpType::ALLGATHER: return "allgather";
+    case c10d::OpType::_ALLGATHER_BASE: return "all_gather_into_tensor";
+    case c10d::OpType::_REDUCE_SCATTER_BASE: return "reduce_scatter_tensor";
+    case c10d::OpType::BARRIER: return "barrier";
+    default: return "another collective";
+  }
+}
+
+// The field in an error ("the dtype differs across ranks: from Float to Double (this rank: Float)").
+std::string field_value(int field, int64_t value, c10d::OpType type) {
+  if (field == 1) return c10::toString(static_cast<at::ScalarType>(value));
+  if (field == 3 && type != c10d::OpType::BROADCAST) {
+    c10d::ReduceOp op;
+    op.op_ = static_cast<c10d::ReduceOp::RedOpType>(value);
+    return reduction_name(op);
+  }
+  return std::to_string(value);
+}
+
+const char* field_name(int field, c10d::OpType type) {
+  switch (field) {
+    case 1: return "dtype";
+    case 2: return "element count per rank";
+    case 3: return type == c10d::OpType::BROADCAST ? "root rank" : "reduce op";
+    default: return "collective";
+  }
+}
+
+// Throws when the exchanged ranges show that the ranks' descriptions differ.
+void verify_size_check(const SizeCheck& check, c10d::OpType type, const std::string& description) {
+  std::string differences;
+  const int64_t min_kind = -check.max[kCheckFields];
+  const int64_t max_kind = check.max[0];
+  if (min_kind != max_kind) {
+    const int64_t mine = check.mine[0];
+    std::string others;
+    for (int64_t other : {min_kind, max_kind}) {
+      if (other == mine) continue;
+      others += others.empty() ? "" : " and another ";
+      others += kind_name(other);
+    }
+    differences = std::string("this rank issued ") + kind_name(mine) + ", another rank " + others;
+  } else {
+    for (int field = 1; field < kCheckFields; ++field) {
+      const int64_t lo = -check.max[kCheckFields + field];
+      const int64_t hi = check.max[field];
+      if (lo == hi) continue;
+      if (!differences.empty()) differences += "; ";
+      differences += fmt::format("the {} differs across ranks: from {} to {} (this rank: {})",
+                                 field_name(field, type), field_value(field, lo, type),
+                                 field_value(field, hi, type), field_value(field, check.mine[field], type));
+    }
+  }
+  if (differences.empty()) return;
+  TORCH_CHECK(false, "MPI backend ", description, ": the ranks of the group issued different collectives "
+              "at this point: ", differences, ". The collective was not run on any rank. Every rank "
+              "must issue the same collectives, with the same sizes, in the same order: a rank that ran "
+              "an extra forward or backward, skipped one, or caught an exception the others did not "
+              "causes this; rerun with FSDP_DEBUG=1 to have fully_shard name the ranks and units that "
+              "diverge.");
+}
+
 }  // namespace
 
 c10::intrusive_ptr<MpiBackend> MpiBackend::create_world(Options options) {
@@ -151,7 +230,10 @@ c10::intrusive_ptr<MpiBackend> MpiBackend::split(int color, int key, Options opt
   int rank = 0, size = 0;
   {
     std::lock_guard<std::mutex> guard(mpi::mpi_lock());
-    const int rc = MPI_Comm_split(comm_, color, key, &comm);
+    // Not on comm_: collectives of comm_ may still wait for their size check and start later, on
+    // some ranks after this call, which MPI forbids (same order on every rank). split_comm_ carries
+    // only these blocking calls, made by the caller in program order.
+    const int rc = MPI_Comm_split(split_comm_, color, key, &comm);
     TORCH_CHECK(rc == MPI_SUCCESS, "MPI backend split of group '", options_.name,
                 "' failed: ", mpi::error_string(rc));
     MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
@@ -166,21 +248,37 @@ bool MpiBackendOptions::default_wait_drives_progress() {
   return value == nullptr || std::string(value) != "0";
 }
 
+bool MpiBackendOptions::default_check_sizes() {
+  const char* value = std::getenv("FSDP_MPI_CHECK_SIZES");
+  return value == nullptr || std::string(value) != "0";
+}
+
 MpiBackend::MpiBackend(MPI_Comm comm, int rank, int size, Options options)
     : c10d::Backend(rank, size),
       comm_(comm),
       options_(std::move(options)),
-      wait_drives_progress_(options_.wait_drives_progress) {}
+      wait_drives_progress_(options_.wait_drives_progress) {
+  // Collective over the group, like the construction itself (create_world, split).
+  std::lock_guard<std::mutex> guard(mpi::mpi_lock());
+  for (MPI_Comm* extra : {&check_comm_, &split_comm_}) {
+    const int rc = MPI_Comm_dup(comm_, extra);
+    TORCH_CHECK(rc == MPI_SUCCESS, "MPI backend: duplicating the communicator of group '", options_.name,
+                "' failed: ", mpi::error_string(rc));
+    MPI_Comm_set_errhandler(*extra, MPI_ERRORS_RETURN);
+  }
+}
 
 MpiBackend::~MpiBackend() {
-  if (comm_ != MPI_COMM_NULL && !mpi::finalized()) {
+  if (!mpi::finalized()) {
     std::lock_guard<std::mutex> guard(mpi::mpi_lock());
-    MPI_Comm_free(&comm_);
+    for (MPI_Comm* c : {&comm_, &check_comm_, &split_comm_}) {
+      if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
+    }
   }
 }
 
 c10::intrusive_ptr<c10d::Work> MpiBackend::enqueue(c10d::OpType type, const char* collective,
-                                                   const std::string& sizes,
+                                                   const std::string& sizes, const Shape& shape,
                                                    std::function<int(MPI_Request*)> start,
                                                    std::function<void()> after,
                                                    std::vector<at::Tensor> outputs,
@@ -210,9 +308,31 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::enqueue(c10d::OpType type, const char
     return work;
   }
   mpi::PendingCollective op;
-  op.description = fmt::format("{} #{} ({}) on MPI group '{}' (rank {} of {})", collective, sequence,
-                               sizes, options_.name, rank_, size_);
+  const std::string api = IssuingApi::current();
+  op.description = fmt::format("{} #{} ({}) on MPI group '{}' (rank {} of {}), issued by {}", collective,
+                               sequence, sizes, options_.name, rank_, size_,
+                               api.empty() ? "an API that did not name itself" : api);
   op.timeout = options_.timeout;
+  op.order = this;
+  if (check_sizes_.load()) {
+    // [Note: MPI size check]
+    auto check = std::make_shared<SizeCheck>();
+    const std::array<int64_t, kCheckFields> fields = {static_cast<int64_t>(type),
+                                                      static_cast<int64_t>(shape.dtype), shape.count,
+                                                      shape.param};
+    for (int i = 0; i < kCheckFields; ++i) {
+      check->mine[i] = fields[i];
+      check->mine[kCheckFields + i] = -fields[i];
+    }
+    MPI_Comm check_comm = check_comm_;
+    op.check_start = [check, check_comm](MPI_Request* r) {
+      return MPI_Iallreduce(check->mine.data(), check->max.data(), 2 * kCheckFields, MPI_INT64_T, MPI_MAX,
+                            check_comm, r);
+    };
+    op.check_verify = [check, type, description = op.description] {
+      verify_size_check(*check, type, description);
+    };
+  }
   op.start = std::move(start);
   // The lambda owns the tensors until the collective finished: they must outlive the transfer.
   op.after = [after = std::move(after), keep_alive = std::move(keep_alive)] {
@@ -221,7 +341,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::enqueue(c10d::OpType type, const char
   // The engine drops this callback (and its reference to the Work) once it ran.
   op.finish = [work](std::exception_ptr error) { work->complete(error); };
   const bool drives = wait_drives_progress_.load();
-  work->set_submitted(mpi::submit(std::move(op), drives), drives);
+  work->set_submitted(mpi::submit(std::move(op), drives));
   return work;
 }
 
@@ -236,7 +356,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::broadcast(std::vector<at::Tensor>& te
   const int root = static_cast<int>(opts.rootRank);
   MPI_Comm comm = comm_;
   return enqueue(c10d::OpType::BROADCAST, "broadcast",
-                 describe(t) + ", root " + std::to_string(root),
+                 describe(t) + ", root " + std::to_string(root), {t.scalar_type(), t.numel(), root},
                  [=](MPI_Request* r) { return MPI_Ibcast(t.data_ptr(), count, type, root, comm, r); },
                  {}, {t}, {t});
 }
@@ -253,6 +373,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::allreduce(std::vector<at::Tensor>& te
   const int size = size_;
   return enqueue(
       c10d::OpType::ALLREDUCE, "allreduce", describe(t) + ", " + reduction_name(opts.reduceOp),
+      {t.scalar_type(), t.numel(), static_cast<int64_t>(opts.reduceOp.op_)},
       [=](MPI_Request* r) { return MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr(), count, type, op, comm, r); },
       [=]() mutable {
         if (average) divide_by(t, size);
@@ -284,7 +405,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::allgather(std::vector<std::vector<at:
   MPI_Comm comm = comm_;
   const int64_t numel = input.numel();
   return enqueue(
-      c10d::OpType::ALLGATHER, "allgather", describe(input) + " per rank",
+      c10d::OpType::ALLGATHER, "allgather", describe(input) + " per rank", {input.scalar_type(), numel, 0},
       [=](MPI_Request* r) {
         return MPI_Iallgather(input.data_ptr(), count, type, flat.data_ptr(), count, type, comm, r);
       },
@@ -310,6 +431,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::_allgather_base(at::Tensor& output, a
   at::Tensor in = input, out = output;
   return enqueue(
       c10d::OpType::_ALLGATHER_BASE, "all_gather_into_tensor", describe(input) + " per rank",
+      {input.scalar_type(), input.numel(), 0},
       [=](MPI_Request* r) {
         return MPI_Iallgather(in.data_ptr(), count, type, out.data_ptr(), count, type, comm, r);
       },
@@ -334,6 +456,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::_reduce_scatter_base(
   return enqueue(
       c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor",
       describe(output) + " per rank, " + reduction_name(opts.reduceOp),
+      {output.scalar_type(), output.numel(), static_cast<int64_t>(opts.reduceOp.op_)},
       [=](MPI_Request* r) {
         return MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(), count, type, op, comm, r);
       },
@@ -345,7 +468,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::_reduce_scatter_base(
 
 c10::intrusive_ptr<c10d::Work> MpiBackend::barrier(const c10d::BarrierOptions& opts) {
   MPI_Comm comm = comm_;
-  return enqueue(c10d::OpType::BARRIER, "barrier", "no data",
+  return enqueue(c10d::OpType::BARRIER, "barrier", "no data", {at::kByte, 0, 0},
                  [=](MPI_Request* r) { return MPI_Ibarrier(comm, r); }, {}, {}, {});
 }
 

@@ -8,7 +8,10 @@
 // order. Each call validates its tensors at once (a c10::Error naming the collective, the expected and
 // the actual sizes), then returns an asynchronous Work; errors of the transfer surface from
 // `wait()`. Tensors must stay untouched until `wait()` returns. A collective that does not complete
-// within the timeout aborts the job with a report naming it (see [Note: MPI progress]).
+// within the timeout aborts the job with a report naming it and the API that issued it
+// (comm/issuing_api.h; see [Note: MPI progress]). Ranks that issue different collectives, or the same
+// one with different sizes, get an error from `wait()` on every rank naming it, this rank's sizes
+// and the issuing API, and the collective runs on no rank ([Note: MPI size check] in the .cc).
 //
 // Latency: by default a collective is issued on the calling thread, and `wait()` on a collective
 // that is the only one outstanding polls MPI itself instead of sleeping until the progress thread
@@ -46,6 +49,15 @@ struct MpiBackendOptions {
 
   /// false when FSDP_MPI_WAIT_DRIVES_PROGRESS=0 is set, else true.
   static bool default_wait_drives_progress();
+
+  /// Whether every collective first checks that all ranks issue the same kind with the same sizes
+  /// (one small all-reduce before it; [Note: MPI size check]). false: a mismatch surfaces as MPI
+  /// reports it (MPI_ERR_TRUNCATE, a hang until the timeout, or wrong data). Default: true, or
+  /// false when the environment sets FSDP_MPI_CHECK_SIZES=0.
+  bool check_sizes = default_check_sizes();
+
+  /// false when FSDP_MPI_CHECK_SIZES=0 is set, else true.
+  static bool default_check_sizes();
 };
 
 class MpiBackend final : public c10d::Backend {
@@ -81,6 +93,11 @@ class MpiBackend final : public c10d::Backend {
   void set_wait_drives_progress(bool enabled) { wait_drives_progress_.store(enabled); }
   bool wait_drives_progress() const { return wait_drives_progress_.load(); }
 
+  /// Switches `Options::check_sizes` for collectives issued from now on. Every rank must switch at
+  /// the same point (the check is itself a collective).
+  void set_check_sizes(bool enabled) { check_sizes_.store(enabled); }
+  bool check_sizes() const { return check_sizes_.load(); }
+
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts = {}) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
@@ -95,19 +112,29 @@ class MpiBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = {}) override;
 
  private:
+  // What the size check compares across ranks (besides the kind).
+  struct Shape {
+    at::ScalarType dtype;
+    int64_t count;  // elements per rank
+    int64_t param;  // broadcast: the root; reductions: the c10d reduce op; else 0
+  };
+
   // Hands a collective to the progress engine. `start` issues the non-blocking MPI call; `after`
   // runs once it completed (e.g. the division of AVG); `outputs` become the Work's result.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* collective,
-                                         const std::string& sizes,
+                                         const std::string& sizes, const Shape& shape,
                                          std::function<int(MPI_Request*)> start,
                                          std::function<void()> after,
                                          std::vector<at::Tensor> outputs,
                                          std::vector<at::Tensor> keep_alive);
 
   MPI_Comm comm_;
+  MPI_Comm check_comm_ = MPI_COMM_NULL;  // the size checks ([Note: MPI size check])
+  MPI_Comm split_comm_ = MPI_COMM_NULL;  // split() (blocking, in program order)
   Options options_;
   std::atomic<uint64_t> sequence_{0};
   std::atomic<bool> wait_drives_progress_;
+  std::atomic<bool> check_sizes_{options_.check_sizes};
 };
 
 }  // namespace fsdp::comm

@@ -18,25 +18,39 @@ namespace fsdp::comm::mpi {
 using Clock = std::chrono::steady_clock;
 
 struct Submitted {
+  // Where the collective is (all guarded by the engine's mutex).
+  enum class Stage {
+    kQueued,    // submitted, nothing issued yet
+    kChecking,  // the size check is in flight, or done and `start` waits for older collectives
+    kRunning,   // the collective itself is in flight
+    kDone,      // completed in MPI (or failed); `finish` pending or done
+  };
   PendingCollective op;
   bool wait_drives_progress = false;
-  // Written when issued (under the engine's mutex); afterwards touched only by the poller, which
-  // holds the engine's mutex too.
+  Stage stage = Stage::kQueued;
+  bool check_done = false;  // the check's exchange completed (kChecking)
+  bool check_ok = false;    // ... and every rank's description matched
   MPI_Request request = MPI_REQUEST_NULL;
-  Clock::time_point deadline;
-  bool finished = false;  // op.finish ran (guarded by the engine's mutex)
+  Clock::time_point submitted_at;
+  Clock::time_point deadline;  // submission + timeout
+  bool finished = false;       // op.finish ran
 };
 
 namespace {
 
 using Entry = std::shared_ptr<Submitted>;
+using Stage = Submitted::Stage;
 
-// A collective whose request completed (or whose issue failed), to finish outside the lock.
+// A collective whose request completed (or failed), to finish outside the lock.
 struct Completed {
   Entry entry;
-  int mpi_error = MPI_SUCCESS;      // the request's status
-  std::exception_ptr issue_error;  // set when `start` failed
+  int mpi_error = MPI_SUCCESS;  // the request's status
+  std::exception_ptr error;     // set when issuing or the size check failed
 };
+
+// How deep this thread is inside completion callbacks (finish): a wait() there may be on the only
+// thread that polls, so it drives progress itself.
+thread_local int t_finishing_depth = 0;
 
 // [Note: MPI progress] (mpi_progress.h). Lock order: mutex_, then mpi_lock().
 class ProgressEngine {
@@ -50,18 +64,30 @@ class ProgressEngine {
     auto entry = std::make_shared<Submitted>();
     entry->op = std::move(op);
     entry->wait_drives_progress = wait_drives_progress;
+    entry->submitted_at = Clock::now();
+    entry->deadline = entry->submitted_at + entry->op.timeout;
     std::exception_ptr issue_error;
     bool wake = true;
+    bool wake_watchdog = false;
     {
       std::lock_guard<std::mutex> guard(mutex_);
       TORCH_CHECK(!stopping_, "fsdp comm: collective '", entry->op.description,
                   "' submitted while the process is shutting down MPI");
-      if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+      if (!thread_.joinable()) {
+        thread_ = std::thread([this] { run(); });
+        watchdog_ = std::thread([this] { watch(); });
+      }
+      if (entry->deadline < watching_until_) wake_watchdog = true;
       if (wait_drives_progress && queue_.empty()) {
         // Issued here, under mutex_: nothing older waits to be issued and nobody else can issue
         // until this returns, so the submission order is the issue order.
         issue_error = issue_locked(*entry);
-        if (!issue_error) in_flight_.push_back(entry);
+        if (!issue_error) {
+          in_flight_.push_back(entry);
+          // Without a check the collective itself starts here (unless older ones of its
+          // communicator still wait for their checks).
+          if (!entry->op.check_start) advance_checks_locked();
+        }
         // The thread only needs waking from a long sleep: while collectives come and go it naps
         // and looks again by itself, so a caller that waits right away drives its collective
         // without a wake-up (a system call) and without the thread polling beside it.
@@ -70,8 +96,11 @@ class ProgressEngine {
         queue_.push_back(entry);  // the thread issues it
       }
     }
+    if (wake_watchdog) watchdog_wake_.notify_one();
     if (issue_error) {
-      complete(entry, issue_error, /*by_waiter=*/false);
+      entry->stage = Stage::kDone;
+      Completed c{entry, MPI_SUCCESS, issue_error};
+      finish(c, /*by_waiter=*/false);
     } else if (wake) {
       progress_wake_.notify_one();
     }
@@ -81,9 +110,18 @@ class ProgressEngine {
   void wait(const Entry& entry) {
     std::unique_lock<std::mutex> guard(mutex_);
     while (!entry->finished) {
-      const bool alone = entry->wait_drives_progress && !driving_ && queue_.empty() &&
+      const bool no_driver = driver_ == std::thread::id();
+      if (t_finishing_depth > 0 && (no_driver || driver_ == std::this_thread::get_id())) {
+        // Inside a completion callback: this thread may be the progress thread or the driver, the
+        // only ones that poll, so waiting for someone else to poll could wait forever.
+        nested_drives_.fetch_add(1);
+        drive(guard, entry);
+        continue;
+      }
+      const bool alone = entry->wait_drives_progress && no_driver && queue_.empty() && ready_.empty() &&
                          in_flight_.size() == 1 && in_flight_.front() == entry;
       if (alone) {
+        drives_.fetch_add(1);
         drive(guard, entry);
       } else {
         // Woken when a collective finishes (this one, or one that leaves this one alone) and when
@@ -99,7 +137,9 @@ class ProgressEngine {
       stopping_ = true;
     }
     progress_wake_.notify_one();
+    watchdog_wake_.notify_one();
     if (thread_.joinable()) thread_.join();
+    if (watchdog_.joinable()) watchdog_.join();
   }
 
   ProgressCounters counters() const {
@@ -107,6 +147,8 @@ class ProgressEngine {
     c.completed_by_waiter = completed_by_waiter_.load();
     c.completed_by_thread = completed_by_thread_.load();
     c.drives = drives_.load();
+    c.nested_drives = nested_drives_.load();
+    c.check_mismatches = check_mismatches_.load();
     return c;
   }
 
@@ -114,12 +156,15 @@ class ProgressEngine {
   // The progress thread.
   void run() {
     std::unique_lock<std::mutex> guard(mutex_);
+    progress_thread_ = std::this_thread::get_id();
     int idle_polls = 0;
     auto last_active = Clock::now();
     while (true) {
+      const bool no_driver = driver_ == std::thread::id();
       const bool issue = !queue_.empty();
-      const bool poll = !in_flight_.empty() && !driving_;
-      if (!issue && !poll) {
+      const bool poll = !in_flight_.empty() && no_driver;
+      const bool ready = !ready_.empty();
+      if (!issue && !poll && !ready) {
         if (stopping_ && in_flight_.empty()) return;  // stopping with nothing left to do
         // Nothing to do now: nobody's collective is in flight, or a waiting thread drives.
         if (Clock::now() - last_active < kStayAwake) {
@@ -128,7 +173,8 @@ class ProgressEngine {
         } else {
           thread_asleep_ = true;
           progress_wake_.wait(guard, [&] {
-            return !queue_.empty() || (!in_flight_.empty() && !driving_) ||
+            return !queue_.empty() || !ready_.empty() ||
+                   (!in_flight_.empty() && driver_ == std::thread::id()) ||
                    (stopping_ && in_flight_.empty());
           });
           thread_asleep_ = false;
@@ -136,45 +182,44 @@ class ProgressEngine {
         idle_polls = 0;
         continue;
       }
-      std::vector<Completed> completed;
-      issue_queued_locked(completed);
+      issue_queued_locked();
       if (issue) done_.notify_all();  // a waiter whose collective was queued may drive it now
-      if (poll) poll_locked(completed);
-      guard.unlock();
-      const bool progressed = !completed.empty();
-      for (auto& c : completed) finish(c, /*by_waiter=*/false);
-      completed.clear();
+      if (poll) poll_locked();
+      const bool progressed = finish_ready(guard, /*by_waiter=*/false, nullptr);
       if (progressed || issue) {
         idle_polls = 0;
-      } else if (++idle_polls < 64) {
-        std::this_thread::yield();
       } else {
-        std::this_thread::sleep_for(std::chrono::microseconds(idle_polls < 1024 ? 10 : 100));
+        guard.unlock();
+        if (++idle_polls < 64) {
+          std::this_thread::yield();
+        } else {
+          std::this_thread::sleep_for(std::chrono::microseconds(idle_polls < 1024 ? 10 : 100));
+        }
+        guard.lock();
       }
-      guard.lock();
       last_active = Clock::now();
     }
   }
 
-  // The waiting thread drives until `entry` finished. Called and returns with `guard` locked.
+  // This thread drives until `entry` finished: it issues, polls and finishes everything. Called
+  // and returns with `guard` locked. Re-entrant: a completion callback run here that waits for
+  // another collective drives in a nested call (driver_ stays this thread).
   void drive(std::unique_lock<std::mutex>& guard, const Entry& entry) {
-    driving_ = true;
-    drives_.fetch_add(1);
+    const auto self = std::this_thread::get_id();
+    const bool outermost = driver_ != self;
+    driver_ = self;
     const auto started = Clock::now();
-    std::vector<Completed> completed;
-    while (true) {
+    while (!entry->finished) {
       // Collectives submitted behind this one while it drives (old mode, or another thread's).
-      issue_queued_locked(completed);
-      poll_locked(completed);
-      const bool mine = std::any_of(completed.begin(), completed.end(),
-                                    [&](const Completed& c) { return c.entry == entry; });
-      guard.unlock();
-      for (auto& c : completed) finish(c, /*by_waiter=*/true);
-      const bool progressed = !completed.empty();
-      completed.clear();
+      issue_queued_locked();
+      poll_locked();
+      bool mine = false;
+      const bool progressed = finish_ready(guard, /*by_waiter=*/true, &entry);
+      mine = entry->finished;
       if (!mine && !progressed) {
         // Spin (yielding to other ranks on an oversubscribed machine) while a small collective is
         // likely to complete any moment; then back off so a long wait does not hold a core.
+        guard.unlock();
         const auto waited = Clock::now() - started;
         if (waited < std::chrono::milliseconds(1)) {
           std::this_thread::yield();
@@ -182,97 +227,181 @@ class ProgressEngine {
           std::this_thread::sleep_for(std::chrono::microseconds(
               waited < std::chrono::milliseconds(50) ? 10 : 100));
         }
+        guard.lock();
       }
-      guard.lock();
-      if (mine) break;
     }
-    driving_ = false;
+    if (!outermost) return;
+    driver_ = std::thread::id();
     // The progress thread takes over whatever is still in flight (a napping thread looks again by
     // itself); other waiters re-check.
-    if (thread_asleep_ && (!in_flight_.empty() || !queue_.empty())) progress_wake_.notify_one();
+    if (thread_asleep_ && (!in_flight_.empty() || !queue_.empty() || !ready_.empty())) {
+      progress_wake_.notify_one();
+    }
     done_.notify_all();
   }
 
-  // Issues every queued collective in order (mutex_ held). Failures go to `completed`.
-  void issue_queued_locked(std::vector<Completed>& completed) {
+  // Finishes the completed collectives one at a time, outside the lock (a completion callback may
+  // wait for one completed after it: a nested drive takes it from ready_). Stops early once `mine`
+  // finished. Returns whether any finished. `guard` is locked on entry and on return.
+  bool finish_ready(std::unique_lock<std::mutex>& guard, bool by_waiter, const Entry* mine) {
+    bool any = false;
+    while (!ready_.empty()) {
+      Completed c = std::move(ready_.front());
+      ready_.pop_front();
+      guard.unlock();
+      finish(c, by_waiter);
+      guard.lock();
+      any = true;
+      if (mine != nullptr && (*mine)->finished) break;
+    }
+    return any;
+  }
+
+  // Issues every queued collective in order (mutex_ held). Failures go to ready_.
+  void issue_queued_locked() {
+    bool issued = false;
     while (!queue_.empty()) {
       Entry entry = std::move(queue_.front());
       queue_.pop_front();
       if (auto error = issue_locked(*entry)) {
-        completed.push_back({std::move(entry), MPI_SUCCESS, error});
+        entry->stage = Stage::kDone;
+        ready_.push_back({std::move(entry), MPI_SUCCESS, error});
       } else {
         in_flight_.push_back(std::move(entry));
+        issued = true;
       }
     }
+    if (issued) advance_checks_locked();
   }
 
-  // Starts the non-blocking call (mutex_ held); returns the error if it failed.
+  // First stage of a collective (mutex_ held): its size check, or, without one, nothing to issue
+  // yet (advance_checks_locked starts it in order). Returns the error if issuing failed.
   static std::exception_ptr issue_locked(Submitted& entry) {
+    entry.stage = Stage::kChecking;
+    if (!entry.op.check_start) {
+      entry.check_done = true;
+      entry.check_ok = true;
+      return nullptr;
+    }
     try {
       int rc = MPI_SUCCESS;
       {
         std::lock_guard<std::mutex> guard(mpi_lock());
-        rc = entry.op.start(&entry.request);
+        rc = entry.op.check_start(&entry.request);
       }
       TORCH_CHECK(rc == MPI_SUCCESS, "MPI backend ", entry.op.description,
-                  ": issuing it failed: ", error_string(rc));
+                  ": issuing its size check failed: ", error_string(rc));
     } catch (...) {
       return std::current_exception();
     }
-    entry.deadline = Clock::now() + entry.op.timeout;
     return nullptr;
   }
 
-  // Tests every collective in flight once (mutex_ held), moves the completed ones to `completed`
-  // and aborts the job if one is past its deadline.
-  void poll_locked(std::vector<Completed>& completed) {
+  // Verifies completed checks and starts the collectives whose checks passed, in submission order
+  // per communicator (mutex_ held). A failed check completes the collective with its error; it is
+  // then started on no rank, since every rank saw the same exchanged descriptions.
+  void advance_checks_locked() {
+    std::vector<const void*> blocked;  // communicators with an older collective not started yet
+    auto is_blocked = [&](const void* key) {
+      return std::find(blocked.begin(), blocked.end(), key) != blocked.end();
+    };
+    bool removed = false;
+    for (auto& entry : in_flight_) {
+      if (entry->stage != Stage::kChecking) continue;
+      if (entry->check_done && !entry->check_ok) continue;  // already failed (being removed)
+      if (!entry->check_done || is_blocked(entry->op.order)) {
+        blocked.push_back(entry->op.order);
+        continue;
+      }
+      std::exception_ptr error;
+      try {
+        int rc = MPI_SUCCESS;
+        {
+          std::lock_guard<std::mutex> guard(mpi_lock());
+          rc = entry->op.start(&entry->request);
+        }
+        TORCH_CHECK(rc == MPI_SUCCESS, "MPI backend ", entry->op.description,
+                    ": issuing it failed: ", error_string(rc));
+        entry->stage = Stage::kRunning;
+      } catch (...) {
+        error = std::current_exception();
+      }
+      if (error) {
+        entry->check_ok = false;
+        entry->stage = Stage::kDone;
+        ready_.push_back({entry, MPI_SUCCESS, error});
+        removed = true;
+      }
+    }
+    if (removed) remove_done_locked();
+  }
+
+  void remove_done_locked() {
+    in_flight_.erase(std::remove_if(in_flight_.begin(), in_flight_.end(),
+                                    [](const Entry& e) { return e->stage == Stage::kDone; }),
+                     in_flight_.end());
+  }
+
+  // Tests every request in flight once (mutex_ held): completed collectives go to ready_, completed
+  // checks are verified and the collectives behind them started.
+  void poll_locked() {
     if (in_flight_.empty()) return;
-    std::vector<int> status_errors(in_flight_.size(), MPI_SUCCESS);
-    std::vector<char> flags(in_flight_.size(), 0);
+    bool checks_completed = false;
+    bool completed = false;
     {
       std::lock_guard<std::mutex> guard(mpi_lock());
-      for (size_t i = 0; i < in_flight_.size(); ++i) {
+      for (auto& entry : in_flight_) {
+        const bool testing = entry->stage == Stage::kRunning ||
+                             (entry->stage == Stage::kChecking && !entry->check_done);
+        if (!testing) continue;
         int flag = 0;
         MPI_Status status;
         status.MPI_ERROR = MPI_SUCCESS;
-        const int rc = MPI_Test(&in_flight_[i]->request, &flag, &status);
+        const int rc = MPI_Test(&entry->request, &flag, &status);
         if (rc != MPI_SUCCESS) {
-          abort_job("collective " + in_flight_[i]->op.description +
-                    " failed in MPI: " + error_string(rc));
+          abort_job("collective " + entry->op.description + " failed in MPI: " + error_string(rc));
         }
-        flags[i] = static_cast<char>(flag != 0);
-        status_errors[i] = status.MPI_ERROR;
+        if (!flag) continue;
+        if (entry->stage == Stage::kRunning) {
+          entry->stage = Stage::kDone;
+          ready_.push_back({entry, status.MPI_ERROR, nullptr});
+          completed = true;
+        } else {
+          entry->check_done = true;
+          checks_completed = true;
+        }
       }
     }
-    const auto now = Clock::now();
-    std::vector<Entry> still;
-    still.reserve(in_flight_.size());
-    for (size_t i = 0; i < in_flight_.size(); ++i) {
-      if (flags[i]) {
-        completed.push_back({std::move(in_flight_[i]), status_errors[i], nullptr});
-        continue;
+    if (checks_completed) {
+      for (auto& entry : in_flight_) {
+        if (entry->stage != Stage::kChecking || !entry->check_done || entry->check_ok) continue;
+        try {
+          if (entry->op.check_verify) entry->op.check_verify();
+          entry->check_ok = true;
+        } catch (...) {
+          check_mismatches_.fetch_add(1);
+          entry->stage = Stage::kDone;
+          ready_.push_back({entry, MPI_SUCCESS, std::current_exception()});
+          completed = true;
+        }
       }
-      if (now > in_flight_[i]->deadline) {
-        const auto& op = in_flight_[i]->op;
-        abort_job("collective " + op.description + " did not complete within " +
-                  std::to_string(op.timeout.count()) +
-                  " ms; aborting the job. Every rank must call the same collectives in the same "
-                  "order: a rank that skipped this one, or is stuck before it, causes this.");
-      }
-      still.push_back(std::move(in_flight_[i]));
+      if (completed) remove_done_locked();
+      advance_checks_locked();
+    } else if (completed) {
+      remove_done_locked();
     }
-    in_flight_.swap(still);
   }
 
   // Runs `after` and `finish` of a completed collective (mutex_ not held).
   void finish(Completed& c, bool by_waiter) {
-    std::exception_ptr error = c.issue_error;
+    std::exception_ptr error = c.error;
     if (!error) {
       try {
-        // A mismatched collective (ranks calling different ones at the same step) ends here.
+        // A mismatched collective that the size check could not see ends here.
         TORCH_CHECK(c.mpi_error == MPI_SUCCESS, "MPI backend ", c.entry->op.description,
                     " failed: ", error_string(c.mpi_error),
-                    ". Every rank must call the same collectives in the same order.");
+                    ". Every rank must call the same collectives in the same order; rerun with "
+                    "FSDP_DEBUG=1 to have fully_shard name the ranks that diverge.");
         if (c.entry->op.after) c.entry->op.after();
       } catch (...) {
         error = std::current_exception();
@@ -287,30 +416,118 @@ class ProgressEngine {
     // thread). The finish callback goes too once it ran (it may own the caller's Work).
     entry->op.after = nullptr;
     entry->op.start = nullptr;
+    entry->op.check_start = nullptr;
+    entry->op.check_verify = nullptr;
     auto finish = std::move(entry->op.finish);
     entry->op.finish = nullptr;
-    finish(error);
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      finishing_.push_back({std::this_thread::get_id(), entry, Clock::now()});
+    }
+    ++t_finishing_depth;
+    try {
+      finish(error);
+    } catch (...) {
+      // A callback's exception must not kill the thread that polls for everyone.
+    }
+    --t_finishing_depth;
     finish = nullptr;
     (by_waiter ? completed_by_waiter_ : completed_by_thread_).fetch_add(1);
     {
       std::lock_guard<std::mutex> guard(mutex_);
       entry->finished = true;
+      finishing_.erase(std::find_if(finishing_.begin(), finishing_.end(),
+                                    [&](const Finishing& f) { return f.entry == entry; }));
     }
     done_.notify_all();
   }
 
+  // The watchdog: aborts the job when a collective is not finished by its deadline, whether or not
+  // anybody polls.
+  void watch() {
+    std::unique_lock<std::mutex> guard(mutex_);
+    while (!stopping_) {
+      const auto now = Clock::now();
+      Clock::time_point earliest = Clock::time_point::max();
+      auto consider = [&](const Entry& e) {
+        if (e->deadline <= now) abort_job(timeout_report_locked(*e, now));
+        earliest = std::min(earliest, e->deadline);
+      };
+      for (const auto& e : queue_) consider(e);
+      for (const auto& e : in_flight_) consider(e);
+      for (const auto& c : ready_) consider(c.entry);
+      watching_until_ = earliest;
+      if (earliest == Clock::time_point::max()) {
+        watchdog_wake_.wait(guard);
+      } else {
+        watchdog_wake_.wait_until(guard, earliest);
+      }
+    }
+  }
+
+  // What a collective past its deadline was waiting for (mutex_ held).
+  std::string timeout_report_locked(const Submitted& e, Clock::time_point now) const {
+    std::string where;
+    switch (e.stage) {
+      case Stage::kQueued:
+        where = "it was submitted on this rank but never issued to MPI, because no thread polled";
+        break;
+      case Stage::kChecking:
+        where = e.check_done
+                    ? "every rank issued it with the same sizes, but an older collective of its group "
+                      "had not started yet"
+                    : "this rank issued it, but not every rank of the group issued a collective at "
+                      "this point";
+        break;
+      case Stage::kRunning:
+        where = "every rank issued it with the same sizes, but the transfer did not finish";
+        break;
+      case Stage::kDone:
+        where = "it completed in MPI, but its completion never ran, because no thread was free to run it";
+        break;
+    }
+    std::string blocked;
+    for (const auto& f : finishing_) {
+      const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now - f.since).count();
+      blocked += std::string("; the ") + (f.thread == progress_thread_ ? "progress thread" : "thread driving MPI") +
+                 " has been running the completion callback of " + f.entry->op.description + " for " +
+                 std::to_string(ms) + " ms (a completion callback must not block on another collective "
+                 "except through Work::wait(), which drives progress itself)";
+    }
+    return "collective " + e.op.description + " did not complete within " +
+           std::to_string(e.op.timeout.count()) + " ms; aborting the job: " + where + blocked +
+           ". Every rank must call the same collectives in the same order: a rank that skipped this "
+           "one, or is stuck before it, causes this; rerun with FSDP_DEBUG=1 to have fully_shard "
+           "name the ranks that diverge.";
+  }
+
+  struct Finishing {
+    std::thread::id thread;
+    Entry entry;
+    Clock::time_point since;
+  };
+
   std::mutex mutex_;
   std::condition_variable progress_wake_;  // the progress thread sleeps on it
+  std::condition_variable watchdog_wake_;  // the watchdog sleeps on it
   std::condition_variable done_;           // waiters sleep on it
   std::deque<Entry> queue_;                // submitted, not issued yet (in submission order)
   std::vector<Entry> in_flight_;           // issued, not completed (in issue order)
-  bool driving_ = false;                   // a waiting thread polls (the progress thread stands aside)
+  std::deque<Completed> ready_;            // completed, not finished yet (in completion order)
+  std::vector<Finishing> finishing_;       // completion callbacks running now
+  std::thread::id driver_;                 // the waiting thread that polls (the progress thread
+                                           // stands aside), or none
+  std::thread::id progress_thread_;
   bool stopping_ = false;
   bool thread_asleep_ = false;             // the progress thread sleeps until woken (not napping)
+  Clock::time_point watching_until_ = Clock::time_point::max();  // the watchdog's next look
   std::thread thread_;
+  std::thread watchdog_;
   std::atomic<uint64_t> completed_by_waiter_{0};
   std::atomic<uint64_t> completed_by_thread_{0};
   std::atomic<uint64_t> drives_{0};
+  std::atomic<uint64_t> nested_drives_{0};
+  std::atomic<uint64_t> check_mismatches_{0};
 };
 
 ProgressEngine& engine() {

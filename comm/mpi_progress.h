@@ -29,9 +29,20 @@
 //    until the progress thread completes it, and becomes the driver if it is the only one left.
 //  - Without `wait_drives_progress` (the previous behaviour, kept for comparisons), the progress
 //    thread issues the collective and the waiter sleeps until the thread completes it.
+//  - A collective submitted with a size check (`check_start`, see PendingCollective) goes through
+//    two stages: first a small exchange of its kind and sizes on a separate communicator, then,
+//    once every rank's description matched, the collective itself, issued in submission order
+//    among the collectives of its communicator (`order`). A mismatch completes it with an error on
+//    every rank at once and the collective itself is issued on none, so the group stays usable.
+//  - Completion callbacks (`after`, `finish`, and through them the callbacks of the Work's future)
+//    run on whichever thread completed the collective: the progress thread or a driving waiter.
+//    A callback that waits for another collective through `wait()` drives progress itself on that
+//    thread (it may be the only poller), so this works and cannot block the engine.
+//  - Deadlines are enforced by a watchdog thread of their own, from submission to completion, so a
+//    collective that does not complete in time aborts the job with a report even when nobody polls
+//    (e.g. a completion callback blocked the progress thread in something other than `wait()`).
 // Every MPI call runs under mpi_lock() (comm/mpi_runtime.h), whichever thread makes it, so
-// MPI_THREAD_SERIALIZED is enough; only one thread drives at a time, and the driver checks the
-// timeouts of everything in flight exactly like the progress thread.
+// MPI_THREAD_SERIALIZED is enough; only one thread drives at a time.
 
 #include <mpi.h>
 
@@ -46,9 +57,19 @@ namespace fsdp::comm::mpi {
 
 /// One collective handed to the progress engine.
 struct PendingCollective {
-  /// Names the collective for a timeout report: kind, sequence number, sizes, group.
+  /// Names the collective for a timeout report: kind, sequence number, sizes, group, issuing API.
   std::string description;
+  /// From submission to completion; past it, the job is aborted with a report.
   std::chrono::milliseconds timeout{0};
+  /// Optional size check. `check_start` issues the exchange of this collective's description with
+  /// the other ranks (non-blocking, under the MPI lock; returns an MPI error code); once it
+  /// completed, `check_verify` runs (under the engine's lock, no MPI) and throws when the ranks'
+  /// descriptions differ, which completes the collective with that error; else `start` follows.
+  std::function<int(MPI_Request*)> check_start;
+  std::function<void()> check_verify;
+  /// Collectives with the same `order` (their communicator) are started (`start`) in submission
+  /// order, whatever order their checks complete in, as MPI requires.
+  const void* order = nullptr;
   /// Issues the non-blocking MPI call (runs under the MPI lock); returns an MPI error code.
   std::function<int(MPI_Request*)> start;
   /// Runs once the request completed (outside the MPI lock); may throw.
@@ -68,8 +89,9 @@ struct Submitted;
 std::shared_ptr<Submitted> submit(PendingCollective op, bool wait_drives_progress);
 
 /// Blocks until `submitted`'s `finish` ran. Drives progress on this thread while the collective is
-/// the only one outstanding and it was submitted with `wait_drives_progress`; otherwise sleeps until
-/// the progress thread completed it.
+/// the only one outstanding and it was submitted with `wait_drives_progress`, or when called from a
+/// completion callback (which may run on the only poller); otherwise sleeps until the progress
+/// thread completed it.
 void wait(const std::shared_ptr<Submitted>& submitted);
 
 /// Counts of completed collectives by who completed them (process-wide, since start).
@@ -77,6 +99,8 @@ struct ProgressCounters {
   uint64_t completed_by_waiter = 0;  // a thread inside wait() drove it to completion
   uint64_t completed_by_thread = 0;  // the progress thread did
   uint64_t drives = 0;               // times a waiting thread became the driver
+  uint64_t nested_drives = 0;        // times a wait() inside a completion callback drove progress
+  uint64_t check_mismatches = 0;     // collectives refused because the ranks' sizes differed
 };
 ProgressCounters progress_counters();
 

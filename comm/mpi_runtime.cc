@@ -84,6 +84,7 @@ int thread_level() {
 int world_size() {
   ensure_initialized();
   int size = 0;
+  std::lock_guard<std::mutex> guard(mpi_lock());  // like every MPI call (mpi_runtime.h)
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   return size;
 }

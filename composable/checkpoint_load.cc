@@ -1,7 +1,11 @@
 #include "composable/distributed_checkpoint.h"
+#include "comm/issuing_api.h"
 
 #include <algorithm>
+#include <atomic>
 #include <filesystem>
+#include <optional>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -14,6 +18,7 @@
 #include "composable/checkpoint_support.h"
 #include "composable/optimizer_state_dict.h"
 #include "composable/state_dict.h"
+#include "composable/state_dict_support.h"
 #include "storage/atomic_directory.h"
 #include "storage/boxes.h"
 #include "storage/safetensors.h"
@@ -28,10 +33,11 @@ namespace {
 using nlohmann::json;
 namespace fs = std::filesystem;
 
-// A box of a key stored in one file.
+// A box of a key stored in one file. `entry` is set once the file is open (see
+// CheckpointIndex::open_file).
 struct Piece {
   int file = 0;
-  const storage::SafetensorsEntry* entry = nullptr;
+  mutable const storage::SafetensorsEntry* entry = nullptr;
   storage::Box box;
 };
 
@@ -41,38 +47,109 @@ struct KeyIndex {
   std::vector<Piece> pieces;
 };
 
+// Checkpoint files opened by loads in this process (dcp::testing::checkpoint_files_opened).
+std::atomic<int64_t> g_files_opened{0};
+
+// [Note: opening only needed files] With a manifest, the index of keys and boxes comes from the
+// manifest alone, and a rank opens (and reads the header of) only the files holding boxes it
+// reads: from many ranks, opening every file on every rank would exceed the default limit of
+// 1,024 open files and make the header reads grow with the square of the world size. Each file's
+// byte size and header are checked against the manifest when it is opened. Without a manifest
+// every file must be opened to learn its keys.
 struct CheckpointIndex {
   std::string dir;
-  std::vector<storage::SafetensorsFile> files;
+  std::string manifest_path;
+  std::vector<std::string> file_names;
+  std::vector<int64_t> file_bytes;  // from the manifest; -1 without one
+  mutable std::vector<std::unique_ptr<storage::SafetensorsFile>> files;  // null until opened
   std::map<std::string, KeyIndex> keys;
   std::map<std::string, std::string> extra_values;
+  // The names of Extra::tensors (keys without the prefix), as the manifest records them; without
+  // a manifest (or one of a version that did not record them), every key with the prefix.
+  std::optional<std::set<std::string>> extra_tensor_names;
   bool has_manifest = false;
+  // Per file, the pieces it holds (with a manifest).
+  std::vector<std::vector<std::pair<const std::string*, const Piece*>>> pieces_of_file;
+
+  const storage::SafetensorsFile& open_file(int f, const char* api) const;
 };
 
-void index_file(CheckpointIndex& index, int file, const char* api) {
-  const storage::SafetensorsHeader& header = index.files[file].header();
-  json sharding;
+std::string path_of(const CheckpointIndex& index, int f) { return join_path(index.dir, index.file_names[f]); }
+
+// Parses a file's DCP_SHARDING_INFO ({key: {"saved_offsets": [...]}}; null when absent).
+json sharding_info(const storage::SafetensorsHeader& header, const char* api) {
   const auto info = header.metadata.find(kShardingInfoKey);
-  if (info != header.metadata.end()) {
-    try {
-      sharding = json::parse(info->second);
-    } catch (const json::exception& e) {
-      TORCH_CHECK(false, api, ": the ", kShardingInfoKey, " metadata of '", header.path, "' is not valid JSON: ",
-                  e.what());
+  if (info == header.metadata.end()) return json();
+  try {
+    return json::parse(info->second);
+  } catch (const json::exception& e) {
+    TORCH_CHECK(false, api, ": the ", kShardingInfoKey, " metadata of '", header.path, "' is not valid JSON: ",
+                e.what());
+  }
+  return json();
+}
+
+std::vector<int64_t> saved_offsets(const json& sharding, const storage::SafetensorsEntry& entry,
+                                   const std::string& path, const char* api) {
+  if (!sharding.is_object()) return std::vector<int64_t>(entry.shape.size(), 0);
+  TORCH_CHECK(sharding.contains(entry.key) && sharding[entry.key].contains(kSavedOffsetsKey), api, ": '", path,
+              "' has no ", kShardingInfoKey, " entry for its key '", entry.key, "'");
+  auto offsets = sharding[entry.key][kSavedOffsetsKey].get<std::vector<int64_t>>();
+  TORCH_CHECK(offsets.size() == entry.shape.size(), api, ": '", path, "': key '", entry.key, "' has shape ",
+              shape_text(entry.shape), " but saved offsets ", shape_text(offsets));
+  return offsets;
+}
+
+// Opens file `f` (once), checking it against the manifest when there is one: its byte size, and
+// for every box the manifest places in it an entry of the key's dtype, the box's shape and offsets.
+const storage::SafetensorsFile& CheckpointIndex::open_file(int f, const char* api) const {
+  if (files[f]) return *files[f];
+  const std::string path = path_of(*this, f);
+  if (has_manifest) {
+    TORCH_CHECK(storage::exists(path), api, ": the checkpoint file '", path, "' listed in the manifest is missing");
+    const auto size = static_cast<int64_t>(fs::file_size(path));
+    TORCH_CHECK(size == file_bytes[f], api, ": the checkpoint file '", path, "' has ", size,
+                " bytes but the manifest says ", file_bytes[f], " (truncated or modified after the save)");
+  }
+  auto file = std::make_unique<storage::SafetensorsFile>(path);
+  ++g_files_opened;
+  if (has_manifest) {
+    const storage::SafetensorsHeader& header = file->header();
+    const json sharding = sharding_info(header, api);
+    std::map<std::string, const storage::SafetensorsEntry*> entries;
+    for (const auto& e : header.entries) entries.emplace(e.key, &e);
+    for (const auto& [key, piece] : pieces_of_file[f]) {
+      const auto it = entries.find(*key);
+      TORCH_CHECK(it != entries.end(), api, ": key '", *key, "' is listed in the manifest '", manifest_path,
+                  "' in '", path, "', which has no such entry");
+      const storage::SafetensorsEntry& entry = *it->second;
+      const KeyIndex& k = keys.at(*key);
+      TORCH_CHECK(entry.dtype == k.dtype && entry.shape == piece->box.sizes, api, ": key '", *key, "' is ",
+                  storage::safetensors_dtype_name(k.dtype), " ", shape_text(piece->box.sizes), " in the manifest but ",
+                  storage::safetensors_dtype_name(entry.dtype), " ", shape_text(entry.shape), " in '", path, "'");
+      const auto offsets = saved_offsets(sharding, entry, path, api);
+      TORCH_CHECK(offsets == piece->box.offsets, api, ": key '", *key, "' has offsets ",
+                  shape_text(piece->box.offsets), " in the manifest but ", shape_text(offsets), " in '", path, "'");
+      piece->entry = &entry;
     }
   }
+  files[f] = std::move(file);
+  return *files[f];
+}
+
+// Without a manifest: indexes every entry of file `f` from its header.
+void index_file(CheckpointIndex& index, int file, const char* api) {
+  const storage::SafetensorsHeader& header = index.open_file(file, api).header();
+  TORCH_CHECK(header.metadata.count(kWriterKey) == 0, api, ": '", index.dir, "' has no manifest '",
+              kManifestName, "' but its file '", header.path,
+              "' was written by fsdp::dcp::save: the manifest was deleted, or the folder is an unfinished "
+              "save; without it the checkpoint is incomplete (its Extra values, e.g. the step, are in the "
+              "manifest), so it is refused. Restore '", kManifestName, "' or load another checkpoint");
+  const json sharding = sharding_info(header, api);
   for (const auto& entry : header.entries) {
     storage::Box box;
     box.sizes = entry.shape;
-    if (sharding.is_object()) {
-      TORCH_CHECK(sharding.contains(entry.key) && sharding[entry.key].contains(kSavedOffsetsKey), api, ": '",
-                  header.path, "' has no ", kShardingInfoKey, " entry for its key '", entry.key, "'");
-      box.offsets = sharding[entry.key][kSavedOffsetsKey].get<std::vector<int64_t>>();
-      TORCH_CHECK(box.offsets.size() == box.sizes.size(), api, ": '", header.path, "': key '", entry.key,
-                  "' has shape ", shape_text(box.sizes), " but saved offsets ", shape_text(box.offsets));
-    } else {
-      box.offsets.assign(box.sizes.size(), 0);
-    }
+    box.offsets = saved_offsets(sharding, entry, header.path, api);
     auto [it, fresh] = index.keys.try_emplace(entry.key);
     KeyIndex& key = it->second;
     if (fresh) {
@@ -91,70 +168,66 @@ CheckpointIndex open_checkpoint(const std::string& dir, const char* api) {
   CheckpointIndex index;
   index.dir = dir;
   TORCH_CHECK(fs::is_directory(dir), api, ": there is no checkpoint folder '", dir, "'");
-  const std::string manifest_path = join_path(dir, kManifestName);
-  std::vector<std::string> names;
-  json manifest;
-  if (storage::exists(manifest_path)) {
-    index.has_manifest = true;
-    try {
-      manifest = json::parse(storage::read_file(manifest_path));
-    } catch (const json::exception& e) {
-      TORCH_CHECK(false, api, ": the manifest '", manifest_path, "' is not valid JSON: ", e.what());
-    }
-    try {
-      TORCH_CHECK(manifest.at("format").get<std::string>() == kFormatName, api, ": '", manifest_path,
-                  "' is not a checkpoint manifest of this library (format '", manifest.at("format").dump(), "')");
-      const int version = manifest.at("version").get<int>();
-      TORCH_CHECK(version <= kFormatVersion, api, ": '", manifest_path, "' has format version ", version,
-                  ", newer than this library reads (", kFormatVersion, ")");
-      for (const auto& f : manifest.at("files")) {
-        const std::string name = f.at(0).get<std::string>();
-        const int64_t bytes = f.at(1).get<int64_t>();
-        const std::string path = join_path(dir, name);
-        TORCH_CHECK(storage::exists(path), api, ": the checkpoint file '", path,
-                    "' listed in the manifest is missing");
-        const auto size = static_cast<int64_t>(fs::file_size(path));
-        TORCH_CHECK(size == bytes, api, ": the checkpoint file '", path, "' has ", size,
-                    " bytes but the manifest says ", bytes, " (truncated or modified after the save)");
-        names.push_back(name);
-      }
-      index.extra_values = manifest.at("extra").at("values").get<std::map<std::string, std::string>>();
-    } catch (const json::exception& e) {
-      TORCH_CHECK(false, api, ": the manifest '", manifest_path, "' is malformed: ", e.what());
-    }
-  } else {
+  index.manifest_path = join_path(dir, kManifestName);
+  const std::string& manifest_path = index.manifest_path;
+  if (!storage::exists(manifest_path)) {
     for (const auto& name : storage::list_files(dir)) {
-      if (name.size() > std::string(kSuffix).size() && name.ends_with(kSuffix)) names.push_back(name);
+      if (name.size() > std::string(kSuffix).size() && name.ends_with(kSuffix)) index.file_names.push_back(name);
     }
-    TORCH_CHECK(!names.empty(), api, ": '", dir, "' holds no checkpoint (neither ", kManifestName, " nor *",
-                kSuffix, " files)");
+    TORCH_CHECK(!index.file_names.empty(), api, ": '", dir, "' holds no checkpoint (neither ", kManifestName,
+                " nor *", kSuffix, " files)");
+    index.file_bytes.assign(index.file_names.size(), -1);
+    index.files.resize(index.file_names.size());
+    for (size_t f = 0; f < index.file_names.size(); ++f) index_file(index, static_cast<int>(f), api);
+    return index;
   }
-  index.files.reserve(names.size());
-  for (const auto& name : names) index.files.emplace_back(join_path(dir, name));
-  for (size_t f = 0; f < index.files.size(); ++f) index_file(index, static_cast<int>(f), api);
-  if (!index.has_manifest) return index;
-  // The manifest and the headers must tell the same story.
+  index.has_manifest = true;
+  json manifest;
   try {
+    manifest = json::parse(storage::read_file(manifest_path));
+  } catch (const json::exception& e) {
+    TORCH_CHECK(false, api, ": the manifest '", manifest_path, "' is not valid JSON: ", e.what());
+  }
+  try {
+    TORCH_CHECK(manifest.at("format").get<std::string>() == kFormatName, api, ": '", manifest_path,
+                "' is not a checkpoint manifest of this library (format '", manifest.at("format").dump(), "')");
+    const int version = manifest.at("version").get<int>();
+    TORCH_CHECK(version <= kFormatVersion, api, ": '", manifest_path, "' has format version ", version,
+                ", newer than this library reads (", kFormatVersion, ")");
+    for (const auto& f : manifest.at("files")) {
+      index.file_names.push_back(f.at(0).get<std::string>());
+      index.file_bytes.push_back(f.at(1).get<int64_t>());
+    }
+    index.files.resize(index.file_names.size());
+    const json& extra = manifest.at("extra");
+    index.extra_values = extra.at("values").get<std::map<std::string, std::string>>();
+    if (extra.contains("tensors")) index.extra_tensor_names = extra.at("tensors").get<std::set<std::string>>();
     for (const auto& record : manifest.at("keys")) {
       const std::string key = record.at(0).get<std::string>();
-      const auto dtype = storage::scalar_type_from_safetensors(record.at(1).get<std::string>(), manifest_path);
-      const auto shape = record.at(2).get<std::vector<int64_t>>();
-      const auto boxes = record.at(3);
-      auto it = index.keys.find(key);
-      if (it == index.keys.end()) {
-        TORCH_CHECK(boxes.empty(), api, ": key '", key, "' is listed in the manifest but in none of its files");
-        index.keys[key] = KeyIndex{dtype, shape, {}};
-        continue;
+      KeyIndex k;
+      k.dtype = storage::scalar_type_from_safetensors(record.at(1).get<std::string>(), manifest_path);
+      k.shape = record.at(2).get<std::vector<int64_t>>();
+      for (const auto& box : record.at(3)) {
+        Piece piece;
+        piece.file = box.at(0).get<int>();
+        TORCH_CHECK(piece.file >= 0 && piece.file < static_cast<int>(index.file_names.size()), api, ": key '", key,
+                    "' names file ", piece.file, " in the manifest '", manifest_path, "', which lists ",
+                    index.file_names.size());
+        piece.box.offsets = box.at(1).get<std::vector<int64_t>>();
+        piece.box.sizes = box.at(2).get<std::vector<int64_t>>();
+        TORCH_CHECK(piece.box.offsets.size() == k.shape.size() && piece.box.sizes.size() == k.shape.size(), api,
+                    ": key '", key, "' has a box of another rank than its shape in the manifest '", manifest_path, "'");
+        k.pieces.push_back(std::move(piece));
       }
-      TORCH_CHECK(it->second.dtype == dtype && it->second.shape == shape, api, ": key '", key,
-                  "' is ", record.at(1).get<std::string>(), " ", shape_text(shape), " in the manifest but ",
-                  storage::safetensors_dtype_name(it->second.dtype), " ", shape_text(it->second.shape),
-                  " in the files");
-      TORCH_CHECK(it->second.pieces.size() == boxes.size(), api, ": key '", key, "' has ", boxes.size(),
-                  " boxes in the manifest but ", it->second.pieces.size(), " in the files");
+      TORCH_CHECK(index.keys.emplace(key, std::move(k)).second, api, ": key '", key, "' is listed twice in '",
+                  manifest_path, "'");
     }
   } catch (const json::exception& e) {
     TORCH_CHECK(false, api, ": the manifest '", manifest_path, "' is malformed: ", e.what());
+  }
+  index.pieces_of_file.resize(index.file_names.size());
+  for (const auto& [key, k] : index.keys) {
+    for (const Piece& piece : k.pieces) index.pieces_of_file[piece.file].emplace_back(&key, &piece);
   }
   return index;
 }
@@ -174,17 +247,14 @@ struct Target {
   std::vector<Read> reads;
 };
 
-// Plans the reads that fill `target` (its whole local range) and checks shape, dtype, coverage
-// and checksums. Returns false when the key is absent and `strict` is off.
+// Plans the reads that fill `target` (its whole local range), opens the files they read from,
+// and checks shape, dtype, coverage and checksums. Returns false when the key is absent (the
+// caller lists every absent key: a strict load refuses them all in one message, zero-element
+// keys included, since a checkpoint of the same model holds those too).
 bool plan_target(const CheckpointIndex& index, Target& target, const LoadOptions& options, const char* api) {
   const LocalShard& shard = target.shard;
   const auto it = index.keys.find(target.key);
-  if (it == index.keys.end()) {
-    if (numel_of(shard.global_shape) == 0) return false;  // nothing to load
-    TORCH_CHECK(!options.strict(), api, ": key '", target.key, "' is not in the checkpoint '", index.dir,
-                "' (saved from another model? LoadOptions().strict(false) keeps the values of missing keys)");
-    return false;
-  }
+  if (it == index.keys.end()) return false;
   const KeyIndex& key = it->second;
   TORCH_CHECK(key.shape == shard.global_shape, api, ": key '", target.key, "' has shape ", shape_text(key.shape),
               " in the checkpoint '", index.dir, "' but ", shape_text(shard.global_shape), " here");
@@ -210,6 +280,7 @@ bool plan_target(const CheckpointIndex& index, Target& target, const LoadOptions
     target.reads.push_back({piece, run.local_begin + skip, pos - begin, run.length - skip});
     pos = run.global_begin + run.length;
   }
+  for (const Read& read : target.reads) index.open_file(read.piece->file, api);
   TORCH_CHECK(pos >= end, api, ": key '", target.key, "': the checkpoint '", index.dir,
               "' holds no value for flat elements [", pos, ", ", end, ") (its boxes do not cover them)");
   if (options.verify_checksums()) {
@@ -224,7 +295,7 @@ bool plan_target(const CheckpointIndex& index, Target& target, const LoadOptions
     }
     const int64_t esize = static_cast<int64_t>(c10::elementSize(key.dtype));
     for (const auto& [piece, span] : spans) {
-      index.files[piece->file].verify(*piece->entry, span.first * esize, span.second * esize);
+      index.files[piece->file]->verify(*piece->entry, span.first * esize, span.second * esize);
     }
   }
   return true;
@@ -238,7 +309,7 @@ void execute_reads(const CheckpointIndex& index, const std::vector<Target>& targ
   for (const Target& target : targets) {
     const at::Tensor& local = target.shard.local;
     for (const Read& read : target.reads) {
-      const storage::SafetensorsFile& file = index.files[read.piece->file];
+      const storage::SafetensorsFile& file = *index.files[read.piece->file];  // opened by plan_target
       const c10::ScalarType dtype = read.piece->entry->dtype;
       const int64_t esize = static_cast<int64_t>(c10::elementSize(dtype));
       if (local.device().is_cpu() && local.is_contiguous() && local.scalar_type() == dtype) {
@@ -259,14 +330,18 @@ void execute_reads(const CheckpointIndex& index, const std::vector<Target>& targ
   }
 }
 
-bool is_optimizer_key(const std::string& key) {
-  return key.starts_with("state.") || key.starts_with("param_groups.");
+std::string join_keys(const std::vector<std::string>& keys) {
+  std::string out;
+  for (size_t i = 0; i < keys.size(); ++i) out += (i ? ", '" : "'") + keys[i] + "'";
+  return out;
 }
 
 struct LoadRequest {
   ShardedStateDict model;
   ShardedStateDict optimizer;  // empty without an optimizer
   bool has_optimizer = false;
+  /// Why the destination cannot be written now ("" when it can), checked in validation.
+  std::function<std::string()> precheck;
 };
 
 // The collective load of `request` (see load). Returns the number of keys loaded; `optimizer_loaded`
@@ -281,30 +356,52 @@ int64_t load_request(const char* api, const std::string& dir, const LoadRequest&
   bool optimizer_found = false;
   // Phase 1: validate everything this rank needs; nothing is modified.
   try {
+    if (request.precheck) {
+      const std::string busy = request.precheck();
+      TORCH_CHECK(busy.empty(), api, ": ", busy);
+    }
     TORCH_CHECK(options.staging_bytes() > 0, api, ": LoadOptions::staging_bytes must be positive");
     index = std::make_unique<CheckpointIndex>(open_checkpoint(normalized(dir), api));
-    for (const auto& [key, value] : index->keys) {
-      if (is_optimizer_key(key)) optimizer_found = true;
+    // The checkpoint holds optimizer state when it holds a key of this optimizer's state dict (not
+    // when some key merely starts with "state.": a model may have a submodule named `state`).
+    for (const auto& [key, shard] : request.optimizer) {
+      if (index->keys.count(key)) optimizer_found = true;
     }
     if (request.has_optimizer && !optimizer_found) {
       TORCH_CHECK(!options.strict(), api, ": an optimizer was passed but the checkpoint '", dir,
                   "' holds no optimizer state (saved without one?); pass no optimizer, or "
                   "LoadOptions().strict(false) to leave the optimizer as it is");
     }
+    std::vector<std::string> missing;
     auto add = [&](const ShardedStateDict& state) {
       for (const auto& [key, shard] : state) {
         Target target{key, shard, {}};
-        if (plan_target(*index, target, options, api)) targets.push_back(std::move(target));
+        if (plan_target(*index, target, options, api)) {
+          targets.push_back(std::move(target));
+        } else {
+          missing.push_back(key);
+        }
       }
     };
     add(request.model);
     if (request.has_optimizer && optimizer_found) add(request.optimizer);
+    TORCH_CHECK(!options.strict() || missing.empty(), api, ": ", missing.size(),
+                missing.size() == 1 ? " key is" : " keys are", " not in the checkpoint '", index->dir, "': ",
+                join_keys(missing), " (saved from another model? LoadOptions().strict(false) keeps the values of "
+                "missing keys)");
     if (extra != nullptr) {
+      // Extra tensors are the keys the manifest names as such; without that record, every key with
+      // the prefix that the model and the optimizer do not use.
+      std::set<std::string> used;
+      for (const auto& [key, shard] : request.model) used.insert(key);
+      for (const auto& [key, shard] : request.optimizer) used.insert(key);
       ShardedStateDict wanted;
       for (const auto& [key, value] : index->keys) {
-        if (!key.starts_with(kExtraPrefix)) continue;
+        if (!key.starts_with(kExtraPrefix) || used.count(key)) continue;
+        const std::string name = key.substr(std::string(kExtraPrefix).size());
+        if (index->extra_tensor_names && !index->extra_tensor_names->count(name)) continue;
         at::Tensor t = at::empty(value.shape, at::TensorOptions().dtype(value.dtype));
-        extra_tensors.emplace_back(key.substr(std::string(kExtraPrefix).size()), t);
+        extra_tensors.emplace_back(name, t);
         LocalShard shard;
         shard.local = t.view({-1});
         shard.global_shape = value.shape;
@@ -336,6 +433,7 @@ int64_t load_request(const char* api, const std::string& dir, const LoadRequest&
 
 void load(const std::string& dir, const FSDPModule& root, torch::optim::Optimizer* optimizer, Extra* extra,
           const LoadOptions& options) {
+  comm::IssuingApi issuing_api("fsdp::dcp::load");
   wait_pending_save();
   LoadRequest request;
   request.model = sharded_state_dict(root);
@@ -343,6 +441,7 @@ void load(const std::string& dir, const FSDPModule& root, torch::optim::Optimize
     request.optimizer = sharded_optimizer_state_dict(root, *optimizer);
     request.has_optimizer = true;
   }
+  request.precheck = [&root] { return parameters_in_use(root); };
   load_request(kLoadApi, dir, request, extra, options, [&](bool optimizer_loaded) {
     if (optimizer_loaded) load_sharded_optimizer_state_dict(root, *optimizer, request.optimizer);
   });
@@ -355,5 +454,8 @@ int64_t load_state(const std::string& dir, const ShardedStateDict& state, Extra*
   return load_request("fsdp::dcp::load_state", dir, request, extra, options, nullptr);
 }
 
+namespace testing {
+int64_t checkpoint_files_opened() { return g_files_opened.load(); }
+}  // namespace testing
 
 }  // namespace fsdp::dcp

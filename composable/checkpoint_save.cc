@@ -1,4 +1,5 @@
 #include "composable/distributed_checkpoint.h"
+#include "comm/issuing_api.h"
 
 #include <algorithm>
 #include <atomic>
@@ -119,6 +120,7 @@ struct AsyncSave::State {
   std::string tmp;
   std::shared_ptr<comm::Communicator> comm;
   std::map<std::string, std::string> extra_values;
+  std::vector<std::string> extra_tensor_names;
   int64_t crc_block_bytes = 0;
   RankPlan plan;
 
@@ -140,7 +142,8 @@ struct AsyncSave::State {
         std::lock_guard<std::mutex> lock(g_hook_mutex);
         hook = g_file_written_hook;
       }
-      const std::map<std::string, std::string> base_metadata{{"format", "pt"}, {"DCP_VERSION", "1.0"}};
+      const std::map<std::string, std::string> base_metadata{
+          {"format", "pt"}, {"DCP_VERSION", "1.0"}, {kWriterKey, kFormatName}};
       for (size_t j = 0; j < plan.file_names.size(); ++j) {
         const std::string path = join_path(tmp, plan.file_names[j]);
         auto metadata = base_metadata;
@@ -164,9 +167,37 @@ namespace {
 std::mutex g_pending_mutex;
 std::weak_ptr<AsyncSave::State> g_pending;
 
+// Removes a failed save's temporary folder; returns "" or a sentence saying where it was left.
+std::string remove_unfinished(const std::string& tmp) {
+  std::error_code ec;
+  fs::remove_all(tmp, ec);
+  if (!ec) return "";
+  return " (the unfinished folder '" + tmp + "' could not be removed: " + ec.message() + "; remove it by hand)";
+}
+
+// The checks of the target folder that need no data written: `dir` must be a folder or not exist,
+// and its nearest existing ancestor must be a folder. Every rank checks (they share the file
+// system) before anything is written, and agrees on the outcome.
+void check_save_target(const std::string& dir, const char* api) {
+  std::error_code ec;
+  const fs::path target(dir);
+  const auto status = fs::symlink_status(target, ec);
+  TORCH_CHECK(!fs::exists(status) || fs::is_directory(fs::status(target, ec)), api, ": cannot save into '", dir,
+              "': it exists and is not a folder (a checkpoint is a folder; remove the file or choose another name)");
+  for (fs::path p = target.parent_path(); !p.empty(); p = p.parent_path()) {
+    const auto parent = fs::status(p, ec);
+    if (fs::exists(parent)) {
+      TORCH_CHECK(fs::is_directory(parent), api, ": cannot save into '", dir, "': '", p.string(),
+                  "' is not a folder, so nothing can be created inside it");
+      break;
+    }
+    if (p == p.root_path()) break;
+  }
+}
+
 // Builds the manifest from every rank's report; every rank computes it (and its errors) alike.
 json merge_manifest(const std::vector<json>& reports, const std::map<std::string, std::string>& extra_values,
-                    const char* api) {
+                    const std::vector<std::string>& extra_tensor_names, const char* api) {
   json files = json::array();
   std::vector<std::vector<int>> file_index(reports.size());
   for (size_t r = 0; r < reports.size(); ++r) {
@@ -210,7 +241,7 @@ json merge_manifest(const std::vector<json>& reports, const std::map<std::string
   manifest["world_size"] = reports.size();
   manifest["files"] = std::move(files);
   manifest["keys"] = std::move(keys);
-  manifest["extra"] = json{{"values", extra_values}};
+  manifest["extra"] = json{{"values", extra_values}, {"tensors", extra_tensor_names}};
   return manifest;
 }
 
@@ -221,10 +252,12 @@ void finish_save(AsyncSave::State& s) {
     return;
   }
   s.waited = true;
+  bool all_written = false;  // every rank's writer has finished (the reports were exchanged)
   try {
     if (s.writer.joinable()) s.writer.join();
     json report{{"error", s.write_error}, {"files", s.written_files}, {"keys", s.plan.keys}};
     const auto all = s.comm->all_gather_bytes(to_bytes(report.dump()), std::string(s.api) + " reports");
+    all_written = true;
     std::vector<json> reports;
     for (const auto& bytes : all) reports.push_back(json::parse(from_bytes(bytes)));
     for (size_t r = 0; r < reports.size(); ++r) {
@@ -232,7 +265,7 @@ void finish_save(AsyncSave::State& s) {
       TORCH_CHECK(error.empty(), s.api, " failed on rank ", r, " of ", reports.size(),
                   " while writing its files: ", error, " (the previous checkpoint in '", s.dir, "' is unchanged)");
     }
-    const json manifest = merge_manifest(reports, s.extra_values, s.api.c_str());
+    const json manifest = merge_manifest(reports, s.extra_values, s.extra_tensor_names, s.api.c_str());
     std::string error;
     if (s.comm->rank() == 0) {
       try {
@@ -245,7 +278,10 @@ void finish_save(AsyncSave::State& s) {
     agree_on_success(*s.comm, error, s.api.c_str(), "commit");
   } catch (const std::exception& e) {
     s.final_error = error_text(e);
-    throw;
+    // Once every rank has finished writing (each joined its writer before the reports were
+    // exchanged), rank 0 removes the unfinished folder, which holds up to a full checkpoint's bytes.
+    if (all_written && s.comm->rank() == 0) s.final_error += remove_unfinished(s.tmp);
+    TORCH_CHECK(false, s.final_error);
   }
 }
 
@@ -259,10 +295,12 @@ std::shared_ptr<AsyncSave::State> start_save(const char* api, const std::string&
   s->dir = normalized(dir);
   s->comm = communicator_or_default(options.communicator(), api);
   s->extra_values = extra.values;
+  for (const auto& item : extra.tensors) s->extra_tensor_names.push_back(item.key());
   s->crc_block_bytes = options.crc_block_bytes();
   std::string error;
   try {
     TORCH_CHECK(!dir.empty(), api, ": the checkpoint folder name is empty");
+    check_save_target(s->dir, api);
     s->tmp = storage::temporary_sibling(s->dir);
     ShardedStateDict state = collect_state(base, extra, s->comm->rank(), api);
     if (async) {
@@ -344,6 +382,7 @@ AsyncSave::~AsyncSave() {
 }
 
 void AsyncSave::wait() {
+  comm::IssuingApi issuing_api("fsdp::dcp::AsyncSave::wait");
   TORCH_CHECK(state_ != nullptr, "fsdp::dcp::AsyncSave::wait: this AsyncSave holds no save (moved from?)");
   finish_save(*state_);
 }
@@ -353,24 +392,28 @@ bool AsyncSave::waited() const { return state_ != nullptr && state_->waited; }
 
 void save(const std::string& dir, const FSDPModule& root, torch::optim::Optimizer* optimizer, const Extra& extra,
           const SaveOptions& options) {
+  comm::IssuingApi issuing_api(kSaveApi);
   auto state = start_save(kSaveApi, dir, model_and_optimizer_state(root, optimizer), extra, options, /*async=*/false);
   finish_save(*state);
 }
 
 AsyncSave save_async(const std::string& dir, const FSDPModule& root, torch::optim::Optimizer* optimizer,
                      const Extra& extra, const SaveOptions& options) {
+  comm::IssuingApi issuing_api("fsdp::dcp::save_async");
   return AsyncSave(start_save("fsdp::dcp::save_async", dir, model_and_optimizer_state(root, optimizer), extra,
                               options, /*async=*/true));
 }
 
 void save_state(const std::string& dir, const ShardedStateDict& state, const Extra& extra,
                 const SaveOptions& options) {
+  comm::IssuingApi issuing_api("fsdp::dcp::save_state");
   auto s = start_save("fsdp::dcp::save_state", dir, state, extra, options, /*async=*/false);
   finish_save(*s);
 }
 
 AsyncSave save_state_async(const std::string& dir, const ShardedStateDict& state, const Extra& extra,
                            const SaveOptions& options) {
+  comm::IssuingApi issuing_api("fsdp::dcp::save_state_async");
   return AsyncSave(start_save("fsdp::dcp::save_state_async", dir, state, extra, options, /*async=*/true));
 }
 

@@ -19,6 +19,10 @@ inline constexpr const char* kShardingInfoKey = "DCP_SHARDING_INFO";
 inline constexpr const char* kSavedOffsetsKey = "saved_offsets";
 inline constexpr const char* kSuffix = ".safetensors";
 inline constexpr const char* kExtraPrefix = "extra.";
+// In the `__metadata__` of every file fsdp::dcp writes (value: kFormatName), so that a folder of
+// ours whose manifest is missing is recognised and refused rather than loaded without its Extra
+// values (folders of other writers, which have no manifest of ours, load from their files).
+inline constexpr const char* kWriterKey = "FSDP_DCP_WRITER";
 
 inline constexpr const char* kSaveApi = "fsdp::dcp::save";
 inline constexpr const char* kLoadApi = "fsdp::dcp::load";

@@ -1,5 +1,6 @@
 #include "composable/clip_grad_norm.h"
 
+#include "comm/issuing_api.h"
 #include <cmath>
 #include <unordered_set>
 
@@ -13,6 +14,7 @@
 namespace fsdp {
 
 double clip_grad_norm_(const FSDPModule& root, double max_norm, double norm_type) {
+  comm::IssuingApi issuing_api("fsdp::clip_grad_norm_");
   TORCH_CHECK(norm_type > 0, "fsdp::clip_grad_norm_: norm_type must be positive, got ", norm_type);
   const bool inf = std::isinf(norm_type);
   // Each unit once (siblings share a state), each gradient shard once.

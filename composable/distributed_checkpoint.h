@@ -23,16 +23,20 @@
 //     offset + size per dimension over its boxes), and this project's CRC-32C checksums;
 //   - keys: parameter and buffer FQNs, the optimizer's `state.<fqn>.<name>` and
 //     `param_groups.<fqn>.<hyper>`, and `extra.<name>` for Extra::tensors (written by rank 0);
+//   - each file's `__metadata__` also holds "FSDP_DCP_WRITER" = "fsdp-dcp": a folder with such
+//     files but no manifest (deleted, or an unfinished save) is refused, since it would load
+//     without its Extra values;
 //   - `fsdp_checkpoint.json` (the manifest, ignored by other readers; written by rank 0 once every
 //     rank's files are on disk): format version, world size at save, every file with its byte
-//     size, every key with dtype, global shape and its boxes, and Extra::values:
+//     size, every key with dtype, global shape and its boxes, Extra::values and the names of
+//     Extra::tensors:
 //       {"format": "fsdp-dcp", "version": 1, "world_size": 2,
 //        "files": [["shard-00001-model-00001-of-00003.safetensors", 1400], ...],
 //        "keys": [["in.weight", "F32", [8, 6], [[0, [0, 0], [4, 6]], ...]], ...],   // [file, offsets, sizes]
-//        "extra": {"values": {"step": "100"}}}
+//        "extra": {"values": {"step": "100"}, "tensors": ["rng"]}}
 // Folders without a manifest (written by PyTorch's DCP, or by hand) load too: their files are
 // found by listing `*.safetensors` and indexed from their headers (no DCP_SHARDING_INFO: every
-// entry is a whole tensor).
+// entry is a whole tensor). With a manifest, a rank opens only the files holding what it reads.
 //
 // Saving is atomic (storage/atomic_directory.h): files go to a temporary sibling folder, which
 // replaces `dir` only after every rank wrote and flushed its files; a job killed midway leaves the
@@ -97,10 +101,11 @@ struct LoadOptions {
 
 /// Saves `root`'s model (parameters, then buffers, by FQN), the state of `optimizer` (if given;
 /// built over root's original parameters) and `extra` into the folder `dir`, replacing it
-/// atomically. Collective over the options' communicator. Errors (a key collision, a failed
-/// write on any rank) are thrown on every rank, naming the rank and the file; `dir` is then
-/// unchanged (the unfinished temporary folder beside it is removed by the next save). A pending
-/// save_async is committed first.
+/// atomically. Collective over the options' communicator. Errors (a key collision, a target that
+/// is a file or inside one, checked before anything is written; a failed write on any rank) are
+/// thrown on every rank, naming the rank and the file; `dir` is then unchanged and the unfinished
+/// temporary folder beside it is removed (or the error names it, if that failed; a job killed
+/// midway leaves it to the next save, which removes it). A pending save_async is committed first.
 ///
 ///   fsdp::dcp::save(dir, root, &optim, {}, fsdp::dcp::SaveOptions().communicator(pg.comm));
 void save(const std::string& dir, const FSDPModule& root, torch::optim::Optimizer* optimizer = nullptr,
@@ -153,8 +158,10 @@ class AsyncSave {
 /// into `root`'s model, `optimizer` (if given) and `extra` (if given: its values and tensors are
 /// replaced by the checkpoint's; tensors in key order). Each rank reads only the bytes its shards
 /// need. Collective; a pending save_async is committed first. Nothing is modified unless every
-/// rank validated what it needs; errors name the file, the key, what was expected and what was
-/// found.
+/// rank validated what it needs; errors name the file, the key (a strict load names every missing
+/// key), what was expected and what was found. Refused while the model's parameters are in use
+/// (between a forward and its backward, a unit unsharded, a SummonFullParams scope open): see
+/// fsdp::parameters_in_use in composable/state_dict_support.h.
 void load(const std::string& dir, const FSDPModule& root, torch::optim::Optimizer* optimizer = nullptr,
           Extra* extra = nullptr, const LoadOptions& options = {});
 
@@ -181,6 +188,9 @@ namespace testing {
 /// truncate it and kill the process, simulating a crash in the middle of a save). An empty
 /// function removes it. Not for production use.
 void set_file_written_hook(std::function<void(const std::string& path)> hook);
+/// The number of checkpoint files that loads in this process have opened so far (tests check
+/// that a load opens only the files holding what it reads).
+int64_t checkpoint_files_opened();
 }  // namespace testing
 
 }  // namespace fsdp::dcp

@@ -1,5 +1,7 @@
 #include "composable/fully_shard.h"
 
+#include <algorithm>
+#include <optional>
 #include <sstream>
 #include <unordered_set>
 
@@ -9,6 +11,7 @@
 #include <torch/nn/module.h>
 
 #include "comm/init.h"
+#include "comm/issuing_api.h"
 #include "contract/contract.h"
 #include "contract/forward_hooks.h"
 #include "contract/module_fqn.h"
@@ -151,9 +154,82 @@ IgnoredStates resolve_ignored(const std::vector<torch::nn::Module*>& modules, co
   return ignored;
 }
 
+// Whether a unit already exists strictly inside one of `modules` (its tied parameters may move
+// into the new unit: a collective).
+bool has_unit_inside(const std::vector<torch::nn::Module*>& modules) {
+  for (const auto& other : contract::ModuleStateRegistry::global().modules_with(kFullyShardApi)) {
+    for (torch::nn::Module* m : modules) {
+      if (other.get() != m && contract::find_module_fqn(*m, *other).has_value()) return true;
+    }
+  }
+  return false;
+}
+
+// Mixed precision computes, all-gathers and reduces in these dtypes (the FlatParamHandle would
+// refuse them only after the model was changed).
+void check_mixed_precision(const MixedPrecision& mp, const std::string& fqn) {
+  auto check = [&](const char* name, const std::optional<c10::ScalarType>& dtype) {
+    TORCH_CHECK(!dtype || at::isFloatingType(*dtype), "fully_shard: module ", fqn,
+                ": mixed precision needs floating-point dtypes; got ", name, " ", *dtype,
+                " (MixedPrecision::", name, "). Expected a floating-point dtype such as at::kBFloat16, "
+                "at::kHalf or at::kFloat, or none");
+  };
+  check("param_dtype", mp.param_dtype());
+  check("reduce_dtype", mp.reduce_dtype());
+  check("buffer_dtype", mp.buffer_dtype());
+}
+
+// One FlatParameter per (dtype, requires_grad) holds one device's parameters (meta ones have no
+// device: they are materialized where the shard goes; parameters moving in from another unit are
+// given their full values by the move).
+void check_one_device_per_flat_param(const std::vector<FlatParamHandle::OrigParam>& params,
+                                     const std::unordered_set<const void*>& moving, const std::string& fqn) {
+  struct First {
+    c10::ScalarType dtype;
+    bool requires_grad;
+    const FlatParamHandle::OrigParam* param;
+  };
+  std::vector<First> firsts;
+  for (const auto& p : params) {
+    if (p.param.is_meta() || moving.count(p.param.unsafeGetTensorImpl())) continue;
+    const auto it = std::find_if(firsts.begin(), firsts.end(), [&](const First& f) {
+      return f.dtype == p.param.scalar_type() && f.requires_grad == p.param.requires_grad();
+    });
+    if (it == firsts.end()) {
+      firsts.push_back({p.param.scalar_type(), p.param.requires_grad(), &p});
+      continue;
+    }
+    TORCH_CHECK(it->param->param.device() == p.param.device(), "fully_shard: module ", fqn,
+                ": the parameters of one FlatParameter (one per dtype and requires_grad) must be on one "
+                "device; parameter '", p.fqn, "' (", p.param.scalar_type(), ", requires_grad ",
+                p.param.requires_grad(), ") is on ", p.param.device(), " but '", it->param->fqn, "' is on ",
+                it->param->param.device(), ". Build the model on the CPU (FullyShardOptions::device "
+                "places the shards) or on one device");
+  }
+}
+
+// The ranks' outcomes of the checks over `comm`: "" when every rank passed, else the same error
+// on every rank (one rank's message when all refused alike, else one line per rank).
+std::string agreed_error(comm::Communicator& comm, const std::string& mine, const std::string& fqn) {
+  const auto all = comm.all_gather_bytes(std::vector<uint8_t>(mine.begin(), mine.end()), "fully_shard checks");
+  std::vector<std::string> errors;
+  for (const auto& bytes : all) errors.emplace_back(bytes.begin(), bytes.end());
+  const bool any = std::any_of(errors.begin(), errors.end(), [](const std::string& e) { return !e.empty(); });
+  if (!any) return "";
+  const bool same = std::all_of(errors.begin(), errors.end(), [&](const std::string& e) { return e == errors[0]; });
+  if (same) return errors[0];  // every rank refused alike (the usual case)
+  std::ostringstream message;
+  message << "fully_shard: module " << fqn << " was refused on some ranks (nothing was changed on any rank):";
+  for (size_t r = 0; r < errors.size(); ++r) {
+    message << "\n  rank " << r << ": " << (errors[r].empty() ? "(its checks passed)" : errors[r]);
+  }
+  return message.str();
+}
+
 }  // namespace
 
 FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const FullyShardOptions& options) {
+  comm::IssuingApi issuing_api("fully_shard");
   TORCH_CHECK(!modules.empty(), "fully_shard: expected at least one module, got none");
   auto& registry = contract::ModuleStateRegistry::global();
   for (size_t i = 0; i < modules.size(); ++i) {
@@ -182,57 +258,90 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
   std::string fqn;
   for (auto* m : modules) fqn += (fqn.empty() ? "" : " + ") + registry.describe(*m);
 
-  // Every parameter of the trees not already in another unit, in named_parameters order
-  // (module by module), once per tensor (a tied parameter's first FQN owns it). A tied parameter
-  // another unit manages moves here when this is the innermost unit containing every module using
-  // it ([Note: tied parameters] in fsdp/tied_parameters.h); deciding changes nothing.
-  const IgnoredStates ignored = resolve_ignored(modules, options, fqn);
-  const TiedParameterPlan tied = plan_tied_parameters(modules, fqn);
-  const auto& owned = tied.stay;
-  std::unordered_set<const void*> seen;
+  // [Note: all-or-nothing] Everything that can refuse the call is checked before anything
+  // changes (the tied-parameter moves, meta materialization, the sync broadcast, buffer casts and
+  // the FlatParameters come after), including what only the FlatParamHandle constructor used to
+  // check (floating-point mixed-precision dtypes, one device per FlatParameter). When this call
+  // communicates (several ranks, and sync_module_states, a mesh, or units below whose tied
+  // parameters may move here), the ranks exchange the outcome of the checks first, so a check
+  // that fails on some ranks only fails on every rank before any collective, with the same error.
+  const bool may_communicate = comm->size() > 1 && (options.sync_module_states() || options.mesh() ||
+                                                    has_unit_inside(modules));
+  IgnoredStates ignored;
+  TiedParameterPlan tied;
   std::vector<FlatParamHandle::OrigParam> params;
   std::vector<at::Tensor> buffers;
   std::vector<std::pair<std::string, at::Tensor>> meta_tensors;  // parameters and buffers, with their FQNs
   const at::Device target = options.device().value_or(comm->device());
-  for (size_t i = 0; i < modules.size(); ++i) {
-    const std::string prefix = modules.size() > 1 ? std::to_string(i) + ":" : "";
-    for (const auto& item : modules[i]->named_parameters(/*recurse=*/true)) {
-      const at::Tensor& p = item.value();
-      const void* impl = p.unsafeGetTensorImpl();
-      if (owned.count(impl) || ignored.param_impls.count(impl) || !seen.insert(impl).second) continue;
-      TORCH_CHECK(at::isFloatingType(p.scalar_type()), "fully_shard: module ", fqn,
-                  " has parameter '", item.key(), "' of dtype ", p.scalar_type(),
-                  "; only floating-point parameters can be sharded (list it in FullyShardOptions::ignored_params "
-                  "to keep it whole and local)");
-      TORCH_CHECK(p.is_meta() || p.device().type() == target.type() || p.device().is_cpu(), "fully_shard: module ",
-                  fqn, " has parameter '", item.key(), "' on ", p.device(), " but its shards go to ",
-                  target, "; build the model on the CPU or on ", target.type());
-      params.push_back({prefix + item.key(), p});
+  const MixedPrecision& mp = options.mixed_precision();
+  std::string refused;  // this rank's error, when may_communicate
+  try {
+    // Every parameter of the trees not already in another unit, in named_parameters order
+    // (module by module), once per tensor (a tied parameter's first FQN owns it). A tied parameter
+    // another unit manages moves here when this is the innermost unit containing every module using
+    // it ([Note: tied parameters] in fsdp/tied_parameters.h); deciding changes nothing.
+    ignored = resolve_ignored(modules, options, fqn);
+    tied = plan_tied_parameters(modules, fqn);
+    const auto& owned = tied.stay;
+    std::unordered_set<const void*> moving;
+    for (const auto& move : tied.moves) moving.insert(move.param);
+    std::unordered_set<const void*> seen;
+    for (size_t i = 0; i < modules.size(); ++i) {
+      const std::string prefix = modules.size() > 1 ? std::to_string(i) + ":" : "";
+      for (const auto& item : modules[i]->named_parameters(/*recurse=*/true)) {
+        const at::Tensor& p = item.value();
+        const void* impl = p.unsafeGetTensorImpl();
+        if (owned.count(impl) || ignored.param_impls.count(impl) || !seen.insert(impl).second) continue;
+        TORCH_CHECK(at::isFloatingType(p.scalar_type()), "fully_shard: module ", fqn,
+                    " has parameter '", item.key(), "' of dtype ", p.scalar_type(),
+                    "; only floating-point parameters can be sharded (list it in FullyShardOptions::ignored_params "
+                    "to keep it whole and local)");
+        TORCH_CHECK(p.is_meta() || p.device().type() == target.type() || p.device().is_cpu(), "fully_shard: module ",
+                    fqn, " has parameter '", item.key(), "' on ", p.device(), " but its shards go to ",
+                    target, "; build the model on the CPU or on ", target.type());
+        params.push_back({prefix + item.key(), p});
+      }
+      for (const auto& item : modules[i]->named_buffers(/*recurse=*/true)) {
+        const at::Tensor& b = item.value();
+        if (!ignored.buffer_impls.count(b.unsafeGetTensorImpl())) buffers.push_back(b);
+        if (b.is_meta()) meta_tensors.push_back({prefix + item.key(), b});
+      }
+      for (const auto& item : modules[i]->named_parameters(/*recurse=*/true)) {
+        if (item.value().is_meta()) meta_tensors.push_back({prefix + item.key(), item.value()});
+      }
     }
-    for (const auto& item : modules[i]->named_buffers(/*recurse=*/true)) {
-      const at::Tensor& b = item.value();
-      if (!ignored.buffer_impls.count(b.unsafeGetTensorImpl())) buffers.push_back(b);
-      if (b.is_meta()) meta_tensors.push_back({prefix + item.key(), b});
+    // [Note: meta-device models]: every meta tensor must have a way to get its values.
+    for (const auto& [name, t] : meta_tensors) {
+      TORCH_CHECK(options.param_init_fn() || has_recorded_init(t), "fully_shard: module ", fqn, " has '",
+                  name, "' on the meta device with no recorded initialization (it was not built inside an "
+                  "fsdp::MetaInitGuard); give FullyShardOptions::param_init_fn to initialize it");
     }
-    for (const auto& item : modules[i]->named_parameters(/*recurse=*/true)) {
-      if (item.value().is_meta()) meta_tensors.push_back({prefix + item.key(), item.value()});
-    }
+    TORCH_CHECK(target.type() == comm->device().type(), "fully_shard: module ", fqn,
+                " would keep its shards on ", target, " but the communicator works on ", comm->device());
+    check_mixed_precision(mp, fqn);
+    check_one_device_per_flat_param(params, moving, fqn);
+    TORCH_CHECK(options.max_unshards_in_flight() >= 1, "fully_shard: max_unshards_in_flight must be "
+                "at least 1, got ", options.max_unshards_in_flight());
+  } catch (const c10::Error& error) {
+    if (!may_communicate) throw;
+    refused = error.what_without_backtrace();
   }
-  // [Note: meta-device models]: every meta tensor must have a way to get its values.
-  for (const auto& [name, t] : meta_tensors) {
-    TORCH_CHECK(options.param_init_fn() || has_recorded_init(t), "fully_shard: module ", fqn, " has '",
-                name, "' on the meta device with no recorded initialization (it was not built inside an "
-                "fsdp::MetaInitGuard); give FullyShardOptions::param_init_fn to initialize it");
+  if (may_communicate) {
+    // Both exchanges before any rank throws: with a mesh the sync broadcast also crosses the
+    // replicate groups.
+    std::string error = agreed_error(*comm, refused, fqn);
+    if (options.mesh()) {
+      std::string across = agreed_error(*options.mesh()->replicate_group(), error, fqn);
+      if (!across.empty()) error = std::move(across);
+    }
+    TORCH_CHECK(error.empty(), error);
   }
-  TORCH_CHECK(target.type() == comm->device().type(), "fully_shard: module ", fqn,
-              " would keep its shards on ", target, " but the communicator works on ", comm->device());
 
   FSDPConfig config;
   config.comm = comm;
   config.handle.shard = options.strategy() != ShardingStrategy::kNoShard;
   config.handle.device = target;
   if (options.mesh()) config.handle.replicate = options.mesh()->replicate_group();
-  const MixedPrecision& mp = options.mixed_precision();
   config.handle.param_dtype = mp.param_dtype();
   config.handle.reduce_dtype = mp.reduce_dtype();
   if (mp.param_dtype() && mp.cast_forward_inputs()) config.cast_forward_inputs_to = mp.param_dtype();
@@ -247,8 +356,6 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
   config.handle.meta_values = meta_values;
   config.forward_prefetch = options.forward_prefetch();
   config.backward_prefetch = options.backward_prefetch();
-  TORCH_CHECK(options.max_unshards_in_flight() >= 1, "fully_shard: max_unshards_in_flight must be "
-              "at least 1, got ", options.max_unshards_in_flight());
   config.max_unshards_in_flight = options.max_unshards_in_flight();
   config.reshard_after_forward = options.strategy() == ShardingStrategy::kFullShard;
 
@@ -306,7 +413,10 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
             guard_after_post_forward(*raw, output);
           });
       contract::register_forward_exception_hook(
-          m, [raw](torch::nn::Module&, c10::Error& error) { explain_forward_error(*raw, error); });
+          m, [raw](torch::nn::Module&, c10::Error& error) {
+            explain_forward_error(*raw, error);  // reads the parameters as the forward left them
+            runtime::forward_failed(*raw);
+          });
       return state;
     });
   }

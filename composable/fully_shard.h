@@ -203,8 +203,12 @@ class FSDPModule {
 
 /// Makes `module` a fully sharded unit (see the top of this file). Errors (applied twice, applied
 /// top-down, applied to a module that has replicate, parameters on another device than the
-/// communicator's, ignored parameters or modules not in the module's tree) name the module's FQN
-/// and leave the model as it was.
+/// communicator's, ignored parameters or modules not in the module's tree, mixed-precision dtypes
+/// that are not floating-point, parameters of one FlatParameter on several devices) name the
+/// module's FQN and leave the model as it was: every check runs before anything changes, and a
+/// call that communicates (sync_module_states, a mesh, units below it) first exchanges the
+/// checks' outcome, so every rank refuses it with the same error ([Note: all-or-nothing] in
+/// fully_shard.cc).
 FSDPModule fully_shard(torch::nn::Module& module, const FullyShardOptions& options = {});
 
 /// One unit over several sibling modules: unsharded

@@ -115,9 +115,10 @@ void load_full_state_dict(const FSDPModule& root, const torch::OrderedDict<std::
   std::vector<std::string> key_order;
   for (const auto& p : placements) key_order.push_back(p.fqn);
   for (const auto& item : root.module().named_buffers()) key_order.push_back(item.key());
+  // Refused while the parameters are in use (parameters_in_use): a unit unsharded now would keep
+  // computing with the values it gathered.
   state_dict_detail::load_full_groups(root, "fsdp::load_full_state_dict", groups, aliases, state, options, key_order,
-                                      nullptr);
-  // Units unsharded now (e.g. between forward and backward) see the new values at their next unshard.
+                                      nullptr, /*replaces_parameters=*/true);
 }
 
 }  // namespace fsdp

@@ -68,7 +68,10 @@ torch::OrderedDict<std::string, at::Tensor> full_state_dict(const FSDPModule& ro
 /// buffer. Collective, and validated on every rank before anything is loaded: missing and
 /// unexpected keys (all named), shapes, dtypes (see `convert_dtype`) and, unless turned off,
 /// values that differ across ranks. If any rank's check fails, every rank throws the same
-/// c10::Error (naming the first failing rank) and no rank changes its model.
+/// c10::Error (naming the first failing rank) and no rank changes its model. Also refused while
+/// the parameters are in use: between a forward and its backward (a unit unsharded then would
+/// keep computing with the values it gathered), while a unit is unsharded, or inside a
+/// SummonFullParams scope.
 void load_full_state_dict(const FSDPModule& root, const torch::OrderedDict<std::string, at::Tensor>& state,
                           const LoadFullStateDictOptions& options = {});
 

@@ -15,6 +15,8 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
+#include "contract/module_state.h"
+#include "fsdp/root_context.h"
 #include "fsdp/unit_tree.h"
 
 namespace fsdp {
@@ -179,6 +181,46 @@ std::string validate(const std::vector<const state_dict_detail::ExpectedValue*>&
 
 bool writes_replicated(const FSDPModule& root) { return WorldGroups(root).world_rank() == 0; }
 
+std::string parameters_in_use(const FSDPModule& root) {
+  const auto units = units_of(root);
+  auto& registry = contract::ModuleStateRegistry::global();
+  for (FSDPState* unit : units) {
+    const RootContext* context = unit->root_context();
+    if (context == nullptr) continue;
+    bool graph_alive = false;
+    for (const FSDPState* u : context->states) graph_alive |= u->iteration.may_get_gradients();
+    const char* phase = nullptr;
+    if (context->in_root_forward) {
+      phase = "a forward of its root is running";
+    } else if (context->phase == IterationPhase::kBackward) {
+      phase = "a backward is running";
+    } else if (context->phase == IterationPhase::kForward && graph_alive) {
+      phase = "a forward ran and its backward has not";
+    }
+    if (phase != nullptr) {
+      return "the model's parameters are in use: " + std::string(phase) + " (unit " + registry.describe(unit->module()) +
+             "); units unsharded now would keep computing with the values they gathered. Expected a call "
+             "outside forward and backward: before the forward or after its backward (or after a forward "
+             "under torch::NoGradGuard)";
+    }
+  }
+  for (FSDPState* unit : units) {
+    if (unit->full_params_summoned) {
+      return "a SummonFullParams scope holds the full parameters of unit " + registry.describe(unit->module()) +
+             " (its writeback would overwrite the values loaded); leave the scope first";
+    }
+    bool unsharded = unit->unshard_in_flight();
+    for (const auto& h : unit->handles()) unsharded |= h->is_sharded_strategy() && h->is_unsharded();
+    if (unsharded) {
+      return "unit " + registry.describe(unit->module()) +
+             " is unsharded (by FSDPModule::unshard(), set_reshard_after_backward(false), or a forward whose "
+             "backward never ran), so it would keep computing with the values it gathered; expected every "
+             "unit resharded: call reshard() on it first";
+    }
+  }
+  return "";
+}
+
 at::Tensor ParameterPlacement::local() const {
   if (handle != nullptr) return handle->local_shard().narrow(0, slice.shard_offset, slice.size());
   TORCH_CHECK(param.is_contiguous(), "fsdp::sharded_state_dict: parameter '", fqn,
@@ -226,7 +268,7 @@ namespace state_dict_detail {
 void load_full_groups(const FSDPModule& root, const std::string& api, const std::vector<LoadGroup>& groups,
                       const std::vector<ExpectedValue>& also_expected, const Dict& state,
                       const LoadFullStateDictOptions& options, const std::vector<std::string>& key_order,
-                      const std::function<std::string(const Dict&)>& extra_check) {
+                      const std::function<std::string(const Dict&)>& extra_check, bool replaces_parameters) {
   const WorldGroups world(root);
   const bool rank0 = world.world_rank() == 0;
   const bool from_rank0 = options.broadcast_from_rank0();
@@ -238,7 +280,12 @@ void load_full_groups(const FSDPModule& root, const std::string& api, const std:
 
   // 1. Every rank (rank 0 only, when loading from it) checks its dict; all agree on the outcome.
   std::string error;
-  if (!from_rank0 || rank0) {
+  if (replaces_parameters) {
+    // On every rank, also with broadcast_from_rank0: each rank's engine state is its own.
+    const std::string busy = parameters_in_use(root);
+    if (!busy.empty()) error = "on rank " + std::to_string(world.world_rank()) + ", " + busy;
+  }
+  if (error.empty() && (!from_rank0 || rank0)) {
     error = validate(expected, state, options.convert_dtype());
     if (error.empty() && extra_check) error = extra_check(state);
     if (!error.empty()) error = "the state dict of rank " + std::to_string(world.world_rank()) + " is not loadable: " + error;

@@ -50,6 +50,16 @@ std::vector<ParameterPlacement> parameter_placements(const FSDPModule& root);
 /// with hybrid sharding, of its replicate group (world rank 0).
 bool writes_replicated(const FSDPModule& root);
 
+/// Why the values of `root`'s parameters cannot be replaced now ("" when they can), naming the
+/// unit: a forward of the root is running, or ran and its backward may still run, or a backward is
+/// running (units unsharded then keep computing with the values they gathered, since unshard()
+/// of an unsharded unit gathers nothing), a unit is unsharded (FSDPModule::unshard(),
+/// set_reshard_after_backward(false)) or being all-gathered, or a SummonFullParams scope holds a
+/// unit's full parameters (its writeback would overwrite the values loaded). Loads of model state
+/// (fsdp::dcp::load, load_full_state_dict, load_pretrained) refuse then, on every rank (each
+/// checks in its collective validation). Local: reads only this rank's engine state.
+std::string parameters_in_use(const FSDPModule& root);
+
 namespace state_dict_detail {
 // Shared by the model's and the optimizer's full state dicts (composable/optimizer_state_dict.cc).
 
@@ -79,12 +89,14 @@ struct LoadGroup {
 /// across ranks (every rank throws the first failing rank's error); checks, unless told not to,
 /// that the ranks passed the same values (`key_order`: every expected key, in the order the
 /// first differing one is looked for); then, only if all of that passed, feeds every group's
-/// sinks, one group at a time. `api` names the caller in errors.
+/// sinks, one group at a time. `api` names the caller in errors. `replaces_parameters`: every rank
+/// also checks parameters_in_use(root) (the model's values, not the optimizer's).
 void load_full_groups(const FSDPModule& root, const std::string& api, const std::vector<LoadGroup>& groups,
                       const std::vector<ExpectedValue>& also_expected,
                       const torch::OrderedDict<std::string, at::Tensor>& state, const LoadFullStateDictOptions& options,
                       const std::vector<std::string>& key_order,
-                      const std::function<std::string(const torch::OrderedDict<std::string, at::Tensor>&)>& extra_check);
+                      const std::function<std::string(const torch::OrderedDict<std::string, at::Tensor>&)>& extra_check,
+                      bool replaces_parameters = false);
 
 }  // namespace state_dict_detail
 

@@ -13,6 +13,7 @@
 #include <torch/nn/module.h>
 
 #include "fsdp/root_context.h"
+#include "fsdp/runtime.h"
 #include "fsdp/unit_tree.h"
 
 namespace fsdp {
@@ -81,19 +82,24 @@ at::Tensor local_sharded_grad(const FSDPState& unit, const FlatParamHandle& hand
 }  // namespace
 
 SummonFullParams::SummonFullParams(const FSDPModule& unit, SummonFullParamsOptions options)
-    : options_(options) {
+    : options_(options), fqn_(unit.state().fqn()) {
   const auto units = units_of(unit, options_.recurse());
   TORCH_CHECK(!(options_.rank0_only() && options_.writeback()), kApi, ": unit '", unit.state().fqn(),
               "': expected writeback(false) with rank0_only(true), got writeback(true). Ranks other "
               "than 0 hold no full parameters to write back; summon with writeback on every rank, "
               "or with rank0_only and writeback(false)");
   for (const auto& state : units) {
-    if (const RootContext* context = state->root_context()) {
-      TORCH_CHECK(context->phase == IterationPhase::kIdle && !context->in_root_forward, kApi, ": unit '",
-                  state->fqn(), "' is ", describe_phase(*context),
+    if (RootContext* context = state->root_context()) {
+      // One rule on every world size ([Note: iteration phases], kept on one rank too): refused
+      // while a backward can still run through a forward (it would compute with the values the
+      // forward saw, and reduce into shards the scope is editing); a forward whose graph was
+      // dropped ends its iteration here, as a forward under NoGradGuard does at once.
+      const bool backward_pending = runtime::settle_forward_phase(*context);
+      TORCH_CHECK(!context->in_root_forward && context->phase != IterationPhase::kBackward && !backward_pending,
+                  kApi, ": unit '", state->fqn(), "' is ", describe_phase(*context),
                   "; expected to be entered outside forward and backward. Summon the full "
                   "parameters before the forward or after its backward (a forward under "
-                  "torch::NoGradGuard ends its iteration at once)");
+                  "torch::NoGradGuard, or one whose outputs were all dropped, ends its iteration)");
     }
     TORCH_CHECK(state->training_state() == TrainingState::kIdle, kApi, ": unit '", state->fqn(),
                 "' is in training state '", to_string(state->training_state()),
@@ -192,7 +198,7 @@ SummonFullParams::SummonFullParams(const FSDPModule& unit, SummonFullParamsOptio
 
 SummonFullParams::~SummonFullParams() {
   try {
-    exit();
+    leave(/*by_exception=*/std::uncaught_exceptions() > uncaught_exceptions_);
   } catch (const std::exception& error) {
     try {
       TORCH_WARN(kApi, ": leaving the scope failed (the parameters are restored, edits may not be "
@@ -202,32 +208,73 @@ SummonFullParams::~SummonFullParams() {
   }
 }
 
-void SummonFullParams::exit() {
+void SummonFullParams::exit() { leave(/*by_exception=*/false); }
+
+// "\n  rank r: <problem>" for every rank of the scope's communicators that reported one, the same
+// string on every rank: one all_gather_bytes per distinct communicator, in unit order.
+std::string SummonFullParams::exchange_problems(const std::string& mine) const {
+  std::vector<comm::Communicator*> comms;
+  for (const Unit& u : units_) {
+    comm::Communicator* comm = u.state->config().comm.get();
+    if (comm->size() > 1 && std::find(comms.begin(), comms.end(), comm) == comms.end()) comms.push_back(comm);
+  }
+  std::vector<std::string> lines;
+  auto add = [&](int rank, const std::string& problem) {
+    const std::string line = "\n  rank " + std::to_string(rank) + ": " + problem;
+    if (!problem.empty() && std::find(lines.begin(), lines.end(), line) == lines.end()) lines.push_back(line);
+  };
+  if (comms.empty()) add(0, mine);
+  for (comm::Communicator* comm : comms) {
+    const auto all = comm->all_gather_bytes(std::vector<uint8_t>(mine.begin(), mine.end()), "fsdp::SummonFullParams exit");
+    for (size_t r = 0; r < all.size(); ++r) add(static_cast<int>(r), std::string(all[r].begin(), all[r].end()));
+  }
+  std::string joined;
+  for (const auto& line : lines) joined += line;
+  return joined;
+}
+
+void SummonFullParams::leave(bool by_exception) {
   if (exited_) return;
   exited_ = true;
   c10::NoGradGuard no_grad;
-  // Check every full parameter can be written back before writing any.
-  std::optional<std::string> problem;
-  if (options_.writeback()) {
+  // This rank's reason not to write back: it leaves by an exception, or a full parameter was
+  // replaced by a tensor of another shape (checked for every one before any is written).
+  std::string problem;
+  if (by_exception) {
+    problem = "left the scope by an exception (see that rank's error)";
+  } else if (options_.writeback()) {
     for (const Unit& u : units_) {
       for (const Handle& entry : u.handles) {
         if (!entry.full.defined()) continue;
         const FlatParamHandle& h = *entry.handle;
-        for (size_t i = 0; i < h.params().size() && !problem; ++i) {
+        for (size_t i = 0; i < h.params().size() && problem.empty(); ++i) {
           const at::Tensor& p = h.params()[i].param;
           const auto& shape = h.layout().entries[i].shape;
           if (p.sizes() == at::IntArrayRef(shape)) continue;
-          problem = c10::str(kApi, ": parameter '", h.params()[i].fqn, "' of unit '", u.state->fqn(),
-                             "' was replaced inside the scope by a tensor of shape ", p.sizes(),
-                             "; expected its full shape ", at::IntArrayRef(shape),
-                             ". Nothing was written back; the parameters are restored as they were "
-                             "before the scope (edit full parameters in place, or replace them with "
-                             "tensors of their full shape)");
+          problem = c10::str("parameter '", u.state->is_root() ? "" : u.state->fqn() + ".", h.params()[i].fqn,
+                             "' of unit '", u.state->fqn(), "' was replaced inside the scope by a tensor of shape ",
+                             p.sizes(), "; expected its full shape ", at::IntArrayRef(shape));
         }
       }
     }
   }
-  const bool write = options_.writeback() && !problem;
+  // [Note: summon exit] Whether to write back, and so whether to re-unshard the units that were
+  // unsharded before the scope (all-gathers), is decided from what every rank reports (in-place
+  // edits of a FlatParameter without sharding land in it directly and are not undone): with
+  // writeback every rank leaving the scope (by an exception too: the destructor) exchanges its
+  // problem, so all of them write back, gather and fail alike. Without writeback leaving issues
+  // no collective at all. A rank whose exception skipped a collective the others still run inside
+  // the scope cannot be matched by anything: the exchange then fails with the collective's error.
+  std::string problems;
+  std::exception_ptr exchange_failed;
+  if (options_.writeback()) {
+    try {
+      problems = exchange_problems(problem);
+    } catch (...) {
+      exchange_failed = std::current_exception();
+    }
+  }
+  const bool write = options_.writeback() && problems.empty() && !exchange_failed;
   for (Unit& u : units_) {
     for (Handle& entry : u.handles) {
       FlatParamHandle& h = *entry.handle;
@@ -250,7 +297,8 @@ void SummonFullParams::exit() {
     u.state->full_params_summoned = false;
   }
   // A FlatParameter that was unsharded before the scope gets its unsharded views again, from the
-  // shards just written (collective, in the same order on every rank).
+  // shards just written (collective, in the same order on every rank). Without writing, its
+  // unsharded views (restored above) still hold the values from before the scope.
   if (write) {
     for (Unit& u : units_) {
       for (Handle& entry : u.handles) {
@@ -260,7 +308,15 @@ void SummonFullParams::exit() {
       }
     }
   }
-  TORCH_CHECK(!problem, *problem);
+  if (exchange_failed) std::rethrow_exception(exchange_failed);
+  if (by_exception) return;  // this rank's own exception is on its way
+  TORCH_CHECK(problems.empty(), kApi, ": leaving the scope of unit '", fqn_, "': nothing was written back "
+              "on any rank, and the parameters are restored as they were before the scope (without sharding, "
+              "as on one rank, the full parameters are the replicas themselves: in-place edits stay), "
+              "because:", problems,
+              "\nEdit full parameters in place, or replace them with tensors of their full shape; every rank "
+              "must leave the scope the same way (an exception inside it on one rank only stops the writeback "
+              "everywhere)");
 }
 
 std::vector<int64_t> unsharded_shape(torch::nn::Module& model, const at::Tensor& param) {

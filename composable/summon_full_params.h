@@ -19,12 +19,15 @@
 //
 // Entering and leaving are collectives over each unit's ranks: every rank must enter and leave the
 // same scopes in the same order, with the same options. A scope must not be entered inside a
-// forward or backward (nor between a forward that needs gradients and its backward), nor on a unit
+// forward or backward (nor between a forward and its backward while a backward can still run
+// through the forward's outputs, on every world size), nor on a unit
 // already summoned; a root forward while any unit of its tree is summoned is refused (before it
 // runs, naming the unit).
 
 #include <cstdint>
+#include <exception>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -82,7 +85,8 @@ class SummonFullParams {
   /// Collective: all-gathers each unit's full-precision FlatParameter (and gradients with
   /// `with_grads`) and points the original parameters at their full values.
   explicit SummonFullParams(const FSDPModule& unit, SummonFullParamsOptions options = {});
-  /// Calls exit(); an error there is reported as a warning, not thrown.
+  /// Calls exit(); an error there is reported as a warning, not thrown. Left by an exception
+  /// (stack unwinding), nothing is written back on any rank ([Note: summon exit]).
   ~SummonFullParams();
 
   SummonFullParams(const SummonFullParams&) = delete;
@@ -90,9 +94,12 @@ class SummonFullParams {
 
   /// Leaves the scope now (collective): writes the full values back into the shards (with
   /// `writeback`) and restores the parameters' data and `.grad` to what they were before the
-  /// scope. A full parameter replaced inside the scope by a tensor of another shape is an error,
-  /// thrown after the parameters are restored without writing anything back. Idempotent: the
-  /// destructor does nothing after it.
+  /// scope. With `writeback` the ranks first exchange whether each can write back: a full
+  /// parameter replaced inside the scope by a tensor of another shape on any rank, or any rank
+  /// leaving by an exception, means no rank writes anything (in-place edits of parameters without
+  /// sharding, e.g. on one rank, are the replicas' own and stay); every rank then restores its
+  /// parameters and throws the same error naming the ranks and parameters ([Note: summon exit]
+  /// in summon_full_params.cc). Idempotent: the destructor does nothing after it.
   void exit();
 
   /// Whether the scope still holds the full parameters (exit() not called yet).
@@ -112,9 +119,14 @@ class SummonFullParams {
     std::vector<Handle> handles;
   };
 
+  void leave(bool by_exception);
+  std::string exchange_problems(const std::string& mine) const;
+
   SummonFullParamsOptions options_;
+  std::string fqn_;  // the scope's unit
   std::vector<Unit> units_;
   bool exited_ = false;
+  int uncaught_exceptions_ = std::uncaught_exceptions();  // an exception unwinds the scope: more
 };
 
 /// The original (unsharded) shape of `param`, a parameter of `model`'s tree: for a parameter a

@@ -219,6 +219,28 @@ namespace {
 thread_local size_t hooked_depth = 0;
 }  // namespace
 
+std::atomic<bool> forward_call_checks_active{false};
+
+namespace {
+std::mutex& call_checks_mutex() {
+  static auto* mutex = new std::mutex();  // never destroyed: calls may run during static destruction
+  return *mutex;
+}
+std::vector<ForwardCallCheck>& call_checks() {
+  static auto* checks = new std::vector<ForwardCallCheck>();
+  return *checks;
+}
+}  // namespace
+
+void run_forward_call_checks(torch::nn::Module& module) {
+  std::vector<ForwardCallCheck> checks;
+  {
+    std::lock_guard<std::mutex> lock(call_checks_mutex());
+    checks = call_checks();
+  }
+  for (ForwardCallCheck check : checks) check(module);
+}
+
 HookedForwardScope::HookedForwardScope() { ++hooked_depth; }
 HookedForwardScope::~HookedForwardScope() { --hooked_depth; }
 
@@ -319,6 +341,15 @@ size_t num_forward_wrappers(const torch::nn::Module& module) {
   return hooks ? hooks->wrap.size() : 0;
 }
 
+void add_forward_call_check(ForwardCallCheck check) {
+  TORCH_CHECK(check != nullptr, "fsdp::contract::add_forward_call_check: expected a check, got null");
+  {
+    std::lock_guard<std::mutex> lock(detail::call_checks_mutex());
+    detail::call_checks().push_back(check);
+  }
+  detail::forward_call_checks_active.store(true);
+}
+
 size_t hooked_forward_depth() { return detail::hooked_depth; }
 
 size_t prune_forward_hooks() { return detail::ForwardHookTable::instance().prune(); }
@@ -334,6 +365,9 @@ void remove_forward_hooks_after(ForwardHookCheckpoint checkpoint,
 
 c10::IValue run_forward_ivalues(torch::nn::Module& module, ForwardArgs args,
                                 const ForwardFunction& forward) {
+  if (detail::forward_call_checks_active.load(std::memory_order_relaxed)) [[unlikely]] {
+    detail::run_forward_call_checks(module);
+  }
   std::shared_ptr<const detail::ForwardHookLists> hooks = detail::forward_hooks_of(module);
   if (hooks == nullptr) {
     return forward(args);

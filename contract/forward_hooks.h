@@ -31,6 +31,7 @@
 // owned by a std::shared_ptr (every ModuleHolder is). All functions are thread-safe; hooks run
 // outside the table's lock and may register or remove hooks.
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -208,6 +209,17 @@ size_t prune_forward_hooks();
 /// Calls of modules without hooks are not counted.
 size_t hooked_forward_depth();
 
+/// A process-wide check run at the start of every call through a hook-able call path (hook-able
+/// holders, run_forward, run_forward_ivalues and the containers that use them), with or without
+/// hooks on the module, before its pre-forward hooks; it refuses the call by throwing. For a
+/// library that needs to look at modules only in some processes (e.g. a module whose tensors have
+/// no memory yet): while no check is registered a call pays one relaxed atomic load. Checks
+/// cannot be removed; each should cost little once a module passed it.
+///
+///   fsdp::contract::add_forward_call_check([](torch::nn::Module& m) { TORCH_CHECK(ok(m), ...); });
+using ForwardCallCheck = void (*)(torch::nn::Module& module);
+void add_forward_call_check(ForwardCallCheck check);
+
 /// Identifies the hooks registered so far (hook ids grow monotonically).
 using ForwardHookCheckpoint = uint64_t;
 
@@ -312,6 +324,10 @@ void run_forward_post_hooks(const ForwardHookLists& hooks, torch::nn::Module& mo
 void run_forward_exception_hooks(const ForwardHookLists& hooks, torch::nn::Module& module,
                                  c10::Error& error);
 
+// Set once a forward call check is registered (add_forward_call_check).
+extern std::atomic<bool> forward_call_checks_active;
+void run_forward_call_checks(torch::nn::Module& module);
+
 // Counts a hooked call in hooked_forward_depth() for its lifetime.
 class HookedForwardScope {
  public:
@@ -409,6 +425,9 @@ auto run_forward(M& module, Args&&... args)
                 "fsdp::contract::run_forward: the output of a hook-able forward must be void or "
                 "a forward value ([Note: forward values] in contract/forward_values.h)");
   torch::nn::Module& base = module;
+  if (detail::forward_call_checks_active.load(std::memory_order_relaxed)) [[unlikely]] {
+    detail::run_forward_call_checks(base);
+  }
   std::shared_ptr<const detail::ForwardHookLists> hooks = detail::forward_hooks_of(base);
   if (hooks == nullptr) {
     return module.forward(std::forward<Args>(args)...);

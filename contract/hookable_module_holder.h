@@ -7,6 +7,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "contract/forward_hooks.h"
+#include "contract/module_state.h"
 
 namespace fsdp::contract {
 
@@ -34,6 +35,25 @@ class HookableModuleHolder : public torch::nn::ModuleHolder<Contained>,
     return run_forward(*this->get(), std::forward<Args>(args)...);
   }
 };
+
+/// torch::save(holder, ...) of a hook-able holder: LibTorch's operator for module holders, after
+/// the serialization veto. Overload resolution picks these operators over LibTorch's (found by
+/// argument-dependent lookup, they take the more derived holder class). Not covered: torch::save
+/// of `holder.ptr()` or of a LibTorch holder, which reach LibTorch's operators directly.
+template <typename Contained>
+torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
+                                            const HookableModuleHolder<Contained>& module) {
+  check_serializable(*module.ptr(), "torch::save");
+  return archive << module.ptr();
+}
+
+/// torch::load(holder, ...) of a hook-able holder, after the serialization veto (see operator<<).
+template <typename Contained>
+torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive,
+                                           HookableModuleHolder<Contained>& module) {
+  check_serializable(*module.ptr(), "torch::load");
+  return archive >> module.ptr();
+}
 
 }  // namespace fsdp::contract
 

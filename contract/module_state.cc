@@ -18,6 +18,32 @@ ModuleStateRegistry& ModuleStateRegistry::global() {
 
 ModuleStateRegistry::~ModuleStateRegistry() = default;
 
+std::string ApiState::serialization_veto(const torch::nn::Module& /*module*/) const { return {}; }
+
+void check_serializable(const torch::nn::Module& module, const char* api) {
+  const std::string veto = ModuleStateRegistry::global().serialization_veto(module);
+  TORCH_CHECK(veto.empty(), api, ": ", veto);
+}
+
+std::string ModuleStateRegistry::serialization_veto(const torch::nn::Module& module) const {
+  std::vector<std::pair<uint64_t, std::shared_ptr<ApiState>>> states;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [key, entry] : entries_) {
+      if (entry.module.expired()) continue;
+      for (const auto& e : entry.apis) states.emplace_back(e.sequence, e.state);
+    }
+  }
+  // In application order, so the same state answers first on every call; asked outside the lock
+  // (a veto may describe modules through the registry).
+  std::sort(states.begin(), states.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (const auto& [sequence, state] : states) {
+    std::string veto = state->serialization_veto(module);
+    if (!veto.empty()) return veto;
+  }
+  return {};
+}
+
 const ModuleStateRegistry::ModuleEntry* ModuleStateRegistry::find_live_locked(
     const torch::nn::Module& module) const {
   auto it = entries_.find(&module);

@@ -28,6 +28,16 @@ namespace fsdp::contract {
 class ApiState {
  public:
   virtual ~ApiState() = default;
+
+  /// [Note: serialization veto] Why `module` cannot be written by torch::save nor read by
+  /// torch::load now ("" when it can). `module` may be the module of this state, one inside it,
+  /// one around it, or an unrelated one. An API that changes what parameters hold (for example to
+  /// a per-process part of each value) vetoes the modules whose parameters it manages, since
+  /// LibTorch's module serialization would write those parts as if they were the values, and
+  /// reading would replace the tensors the API manages. Asked by the archive operators of the
+  /// hook-able holders (contract/hookable_module_holder.h) through
+  /// ModuleStateRegistry::serialization_veto. Default: no veto.
+  virtual std::string serialization_veto(const torch::nn::Module& module) const;
 };
 
 // [Note: module state ownership]
@@ -122,6 +132,10 @@ class ModuleStateRegistry {
   /// else "<root>", followed by its class: "'blocks.0' (BlockImpl)".
   std::string describe(const torch::nn::Module& module) const;
 
+  /// The first veto of a live state against serializing `module` (see [Note: serialization
+  /// veto]), or "" when none objects.
+  std::string serialization_veto(const torch::nn::Module& module) const;
+
   /// The current position in the insertion history, for rollback().
   Checkpoint checkpoint() const;
 
@@ -152,6 +166,10 @@ class ModuleStateRegistry {
   Table entries_;
   uint64_t last_sequence_ = 0;
 };
+
+/// Throws a c10::Error naming `api` when a state of the global registry vetoes serializing
+/// `module` ([Note: serialization veto]).
+void check_serializable(const torch::nn::Module& module, const char* api);
 
 // ----------------------------------------------------------------------------------------------
 // Implementation of the templates.

@@ -1,10 +1,12 @@
 #include "fsdp/backward.h"
+#include "comm/issuing_api.h"
 
 #include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include "fsdp/divergence.h"
 #include "fsdp/fsdp_state.h"
@@ -55,11 +57,38 @@ void reduce_unit(RootContext& context, FSDPState& unit) {
   unit.iteration.set_reduced();
 }
 
+// Whether autograd runs `node` in the backward pass now running: it is in the pass's graph and,
+// when the pass computes only some gradients (backward with inputs, autograd::grad), needed for
+// them (as torch.autograd.graph's _will_engine_execute_node decides). Asked only while the graph
+// task that began the pass runs; anything else is assumed to run.
+bool runs_in_current_pass(const RootContext& context, torch::autograd::Node* node) {
+  if (torch::autograd::get_current_graph_task_id() != context.backward_graph_task) return true;
+  const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
+  if (nodes == nullptr) return true;
+  if (nodes->count(node) == 0) return false;
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  if (exec_info == nullptr || exec_info->empty()) return true;
+  const auto it = exec_info->find(node);
+  return it != exec_info->end() && it->second.should_execute();
+}
+
+// Whether `unit`'s turn in the reduction order has come: its backward is complete, or this pass
+// will not reach it at all (a unit whose output the caller holds but the loss does not use; it
+// reduces zeros, as at the end of the pass). Only the timing of a reduction depends on it, never
+// the order or whether the reduction is issued, so ranks where the unit is reached and ranks where
+// it is not still issue the same collectives in the same order.
+bool ready_for_reduction(const RootContext& context, const FSDPState& unit) {
+  if (unit.iteration.backward_complete()) return true;
+  return unit.iteration.backward_complete(
+      [&](torch::autograd::Node* node) { return runs_in_current_pass(context, node); });
+}
+
 // Reduces, in reverse forward order, every unit whose turn has come: with `final`, all of them;
-// else only while the next one has finished its backward. A unit whose backward end cannot be
-// seen (a call's inputs needed no gradient) is deferred to the end of the pass rather than hold up
-// the units before it. Deferral depends only on the units (never on when the loop reaches them),
-// so every rank issues the same order: the others in reverse forward order, then the deferred.
+// else only while the next one is ready (its backward finished, or this pass does not reach it).
+// A unit whose backward end cannot be seen (a call's inputs needed no gradient) is deferred to the
+// end of the pass rather than hold up the units before it. Deferral depends only on the units
+// (never on when the loop reaches them), so every rank issues the same order: the others in
+// reverse forward order, then the deferred.
 void reduce_in_order(RootContext& context, bool final) {
   const size_t n = context.forward_order.size();
   while (context.reduced_from_back < n) {
@@ -70,7 +99,7 @@ void reduce_in_order(RootContext& context, bool final) {
         ++context.reduced_from_back;
         continue;
       }
-      if (!final && !unit->iteration.backward_complete()) break;
+      if (!final && !ready_for_reduction(context, *unit)) break;
       reduce_unit(context, *unit);
     } else {
       unit->iteration.set_reduced();
@@ -84,6 +113,7 @@ void reduce_in_order(RootContext& context, bool final) {
 
 void end_of_backward(RootContext& context) {
   RECORD_USER_SCOPE("FSDP::post_backward_final_callback");
+  comm::IssuingApi issuing_api("fully_shard end of backward");
   reduce_in_order(context, /*final=*/true);
   context.awaiting_finalize = nullptr;
   for (FSDPState* unit : context.forward_order) {
@@ -96,11 +126,13 @@ void end_of_backward(RootContext& context) {
   }
   context.previous_forward_order = context.forward_order;
   context.phase = IterationPhase::kIdle;
+  context.backward_graph_task = -1;
   ++context.iterations;
 }
 
 void begin_backward_pass(RootContext& context) {
   context.phase = IterationPhase::kBackward;
+  context.backward_graph_task = torch::autograd::get_current_graph_task_id();
   context.reduced_from_back = 0;
   context.deferred_reductions.clear();
   context.awaiting_finalize = nullptr;
@@ -122,17 +154,27 @@ void prefetch_for_backward(RootContext& context, const FSDPState& unit) {
   }
 }
 
+// A hook from the graph of an earlier iteration: backward runs through a graph whose unsharded
+// parameters were freed and whose gradients would land in another iteration's buffers. Refused at
+// whichever of the unit's hooks the stale graph reaches first: its outputs' pre-backward, or its
+// inputs' post-backward (a tensor the unit computed from its input and kept, backpropagated
+// without passing the unit's outputs). Before anything changes.
+void check_current_iteration(const FSDPState& unit, const RootContext& context, int64_t tag) {
+  TORCH_CHECK(tag_generation(tag) == context.generation, "fully_shard: unit '", unit.fqn(),
+              "' is in a backward through the graph of an earlier iteration (the root ran a new "
+              "forward since); run every backward through a graph before the root's next forward");
+}
+
 void pre_backward(FSDPState& unit, int64_t tag) {
   RECORD_USER_SCOPE("FSDP::pre_backward");
+  comm::IssuingApi issuing_api("fully_shard pre-backward of unit '" + (unit.fqn().empty() ? "<root>" : unit.fqn()) + "'");
   RootContext& context = *unit.root_context();
   TORCH_CHECK(!c10::GradMode::is_enabled(), "fully_shard: unit '", unit.fqn(),
               "' is in a backward with create_graph=true (a double backward, e.g. a gradient "
               "penalty through torch::autograd::grad); fully_shard does not support "
               "differentiating through gradients, because each unit's unsharded parameters are "
               "freed after its backward. Compute the gradients without create_graph.");
-  TORCH_CHECK(tag_generation(tag) == context.generation, "fully_shard: unit '", unit.fqn(),
-              "' is in a backward through the graph of an earlier iteration (the root ran a new "
-              "forward since); run every backward through a graph before the root's next forward");
+  check_current_iteration(unit, context, tag);
   if (context.phase != IterationPhase::kBackward) begin_backward_pass(context);
   // Checked iterations ([Note: divergence check]): a rank that skipped this backward, or runs
   // another forward instead, is named before the backward all-gather.
@@ -173,8 +215,12 @@ void pre_backward(FSDPState& unit, int64_t tag) {
 void post_backward(void* arg, int64_t tag) {
   RECORD_USER_SCOPE("FSDP::post_backward");
   FSDPState& unit = *static_cast<FSDPState*>(arg);
+  comm::IssuingApi issuing_api("fully_shard post-backward of unit '" + (unit.fqn().empty() ? "<root>" : unit.fqn()) + "'");
   RootContext& context = *unit.root_context();
-  if (tag_generation(tag) != context.generation || context.phase != IterationPhase::kBackward) return;
+  check_current_iteration(unit, context, tag);
+  // This iteration's graph reached through a tensor the unit kept from its input, with no
+  // pre-backward of any unit before it: no pass has begun, nothing of the unit's to finish.
+  if (context.phase != IterationPhase::kBackward) return;
   unit.iteration.call_post_backward(tag_call(tag));
   if (unit.iteration.backward_running()) return;  // another call of the unit is mid-backward
   const bool complete = unit.iteration.backward_complete();
@@ -314,6 +360,7 @@ void discard_iteration(RootContext& context) {
   context.awaiting_finalize = nullptr;
   context.reduced_from_back = 0;
   context.deferred_reductions.clear();
+  context.backward_graph_task = -1;
   context.unshards_in_flight.clear();
   context.forward_order.clear();
   context.phase = IterationPhase::kIdle;

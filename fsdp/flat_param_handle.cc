@@ -201,18 +201,31 @@ void FlatParamHandle::start_unshard() {
   // [Note: streams] The unshard stream waits for the compute stream only if the shard may have
   // been written there since the iteration began (or outside an iteration).
   const bool shard_written = shard_written_since_gathered();
-  streams_->on_unshard_stream([&] {
-    // Allocated while the unshard stream is current: the allocator orders its reuse on that stream.
-    resize_storage(padded_unsharded_, layout_.padded_numel * padded_unsharded_.element_size());
-    const at::Tensor* source = &local_shard_;
-    if (compute_shard_.defined()) {
-      c10::NoGradGuard no_grad;
-      // In the compute dtype, on the compute device (from host memory with offload).
-      compute_shard_.copy_(local_shard_, /*non_blocking=*/true);
-      source = &compute_shard_;
-    }
-    pending_unshard_ = comm_->all_gather_into_tensor(padded_unsharded_, *source, unit_fqn_);
-  }, shard_written);
+  try {
+    streams_->on_unshard_stream([&] {
+      // Allocated while the unshard stream is current: the allocator orders its reuse on that stream.
+      resize_storage(padded_unsharded_, layout_.padded_numel * padded_unsharded_.element_size());
+      const at::Tensor* source = &local_shard_;
+      if (compute_shard_.defined()) {
+        c10::NoGradGuard no_grad;
+        // In the compute dtype, on the compute device (from host memory with offload).
+        compute_shard_.copy_(local_shard_, /*non_blocking=*/true);
+        source = &compute_shard_;
+      }
+      pending_unshard_ = comm_->all_gather_into_tensor(padded_unsharded_, *source, unit_fqn_);
+    }, shard_written);
+  } catch (...) {
+    // The all-gather was never issued: nothing writes into the buffer grown for it, and nothing
+    // else would free it (reshard() sees neither an unsharded handle nor a pending all-gather).
+    pending_unshard_ = {};
+    release_unsharded_buffer();
+    throw;
+  }
+}
+
+void FlatParamHandle::release_unsharded_buffer() {
+  // Freed once the compute work enqueued so far is done with it (inline on the CPU: now).
+  streams_->release_storage(*padded_unsharded_.storage().unsafeGetStorageImpl());
 }
 
 void FlatParamHandle::unshard() {
@@ -225,7 +238,15 @@ void FlatParamHandle::unshard() {
   if (shard_) {
     start_unshard();
     RECORD_USER_SCOPE("FSDP::all_gather_wait");
-    streams_->hand_unshard_to_compute([&] { pending_unshard_.wait(); });
+    try {
+      streams_->hand_unshard_to_compute([&] { pending_unshard_.wait(); });
+    } catch (...) {
+      // The all-gather ended with an error (a collective still running never throws here: the
+      // backend's timeout aborts the job): its buffer is freed, the parameters stay sharded.
+      pending_unshard_ = {};
+      release_unsharded_buffer();
+      throw;
+    }
     pending_unshard_ = {};
   } else {  // NO_SHARD with mixed precision or offload: a copy, no collective
     write_back_replaced_data();
@@ -245,12 +266,20 @@ void FlatParamHandle::reshard() {
   if (!unsharded_ && !pending_unshard_.valid()) return;
   RECORD_USER_SCOPE("FSDP::reshard");
   if (pending_unshard_.valid()) {  // never free a buffer a collective still writes into
-    streams_->hand_unshard_to_compute([&] { pending_unshard_.wait(); });
+    try {
+      streams_->hand_unshard_to_compute([&] { pending_unshard_.wait(); });
+    } catch (...) {
+      // A prefetched all-gather that ended with an error: resharded all the same, then reported.
+      pending_unshard_ = {};
+      use_sharded_views();
+      release_unsharded_buffer();
+      unsharded_ = false;
+      throw;
+    }
     pending_unshard_ = {};
   }
   use_sharded_views();
-  // Freed once the compute work enqueued so far is done with it (inline on the CPU: now).
-  streams_->release_storage(*padded_unsharded_.storage().unsafeGetStorageImpl());
+  release_unsharded_buffer();
   unsharded_ = false;
 }
 

@@ -91,7 +91,8 @@ class FlatParamHandle {
   void start_unshard();
   /// Makes the original parameters full-shape views of the all-gathered buffer (waits for an
   /// all-gather in flight, or issues one). Checks that the parameters were not replaced or had
-  /// requires_grad changed since.
+  /// requires_grad changed since. An all-gather that fails (at issue or at its wait) leaves the
+  /// handle resharded, its buffer freed, and rethrows (also from start_unshard() and reshard()).
   void unshard();
   /// Makes the original parameters views of the local shard and frees the unsharded buffer.
   void reshard();
@@ -176,6 +177,8 @@ class FlatParamHandle {
 
  private:
   bool needs_unsharded_buffer() const;
+  // Frees the padded unsharded buffer's storage (after the compute work enqueued so far).
+  void release_unsharded_buffer();
   void use_sharded_views();
   void use_unsharded_views();
   void write_back_replaced_data();

@@ -3,7 +3,9 @@
 #include <algorithm>
 
 #include <c10/util/Exception.h>
+#include <torch/nn/module.h>
 
+#include "contract/module_state.h"
 #include "fsdp/root_context.h"
 
 namespace fsdp {
@@ -100,6 +102,21 @@ bool FSDPState::unshard_in_flight() const {
     if (h->unshard_in_flight()) return true;
   }
   return false;
+}
+
+std::string FSDPState::serialization_veto(const torch::nn::Module& module) const {
+  for (const auto& item : module.named_parameters()) {
+    if (!manages(item.value())) continue;
+    auto& registry = contract::ModuleStateRegistry::global();
+    return "module " + registry.describe(module) + " has parameters managed by fully_shard unit " +
+           registry.describe(this->module()) + " (e.g. '" + item.key() +
+           "'), which hold this rank's shard of their values (a 1-D slice), not the values: LibTorch's module "
+           "serialization would save the shards as if they were the parameters, or replace the tensors "
+           "fully_shard manages. Expected a module no fully_shard unit manages; save the model with "
+           "fsdp::dcp::save (load with fsdp::dcp::load), or torch::save fsdp::full_state_dict(root) (load it "
+           "with fsdp::load_full_state_dict)";
+  }
+  return "";
 }
 
 bool FSDPState::is_unsharded() const {

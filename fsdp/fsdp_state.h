@@ -104,6 +104,10 @@ class FSDPState final : public contract::ApiState {
   const std::vector<at::Tensor>& ignored_buffers() const { return ignored_buffers_; }
   bool ignores(const at::Tensor& param) const;
 
+  /// Vetoes torch::save / torch::load of a module with a parameter this unit manages ([Note:
+  /// serialization veto] in contract/module_state.h): its parameters hold this rank's shards.
+  std::string serialization_veto(const torch::nn::Module& module) const override;
+
   TrainingState training_state() const { return training_state_; }
   void set_training_state(TrainingState state) { training_state_ = state; }
 
@@ -139,6 +143,13 @@ class FSDPState final : public contract::ApiState {
 
   /// This iteration's calls and backward progress (see [Note: forward calls]).
   UnitIteration iteration;
+
+  /// The parameters hidden behind an empty placeholder ([Note: hidden parameters] in
+  /// fsdp/sharded_use_guard.h), each with the data it held.
+  struct HiddenParam {
+    at::Tensor param, data, placeholder;
+  };
+  std::vector<HiddenParam> hidden_params;
 
  private:
   std::vector<torch::nn::Module*> modules_;

@@ -73,6 +73,10 @@ class RootContext {
   FSDPState* awaiting_finalize = nullptr;
   /// Units whose backward end cannot be seen, reduced at the end of the pass (in this order).
   std::vector<FSDPState*> deferred_reductions;
+  /// The autograd graph task that began this backward pass (its id; -1 outside a pass): only
+  /// while it runs do its nodes tell which units the pass will still reach (a nested, reentrant
+  /// backward sees only its own graph).
+  int backward_graph_task = -1;
   bool checked_sharded_use = false;  // the first iteration's autograd graph check ran
   /// Backward passes completed (0: the first iteration, whose forward order is checked).
   int64_t iterations = 0;

@@ -1,6 +1,8 @@
 #include "fsdp/runtime.h"
+#include "comm/issuing_api.h"
 
 #include <ATen/record_function.h>
+#include <algorithm>
 #include <sstream>
 
 #include <c10/core/GradMode.h>
@@ -50,6 +52,7 @@ void end_iteration_without_backward(RootContext& context) {
 
 void root_pre_forward(RootContext& context) {
   RECORD_USER_SCOPE("FSDP::root_pre_forward");
+  comm::IssuingApi issuing_api("fully_shard root pre-forward");
   // The previous forward or backward threw: start clean (every rank threw at the same point).
   if (context.in_root_forward || context.phase == IterationPhase::kBackward) discard_iteration(context);
   // Several forwards before one backward continue the iteration while an earlier forward's graph
@@ -105,23 +108,75 @@ void check_not_inside_recompute_region(const FSDPState& state) {
               "that contains units.");
 }
 
+// One rank: the root's call ends; the phase stays kForward while a backward can run through it
+// (hook_outputs_for_backward does the same for every unit on several ranks).
+void end_passthrough_root_call(FSDPState& root, const c10::IValue& output) {
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> nodes;
+  bool need_grad = false;
+  if (c10::GradMode::is_enabled()) {
+    contract::for_each_tensor(output, [&](const at::Tensor& t) {
+      if (!t.requires_grad()) return;
+      need_grad = true;
+      if (t.grad_fn()) nodes.push_back(t.grad_fn());
+      // A view's in-place edit replaces its node; its base's stays in the graph.
+      if (t.is_view() && t._base().grad_fn()) nodes.push_back(t._base().grad_fn());
+    });
+  }
+  root.iteration.end_call(need_grad, nodes);
+  RootContext& context = *root.root_context();
+  if (!any_unit_may_get_gradients(context)) context.phase = IterationPhase::kIdle;
+}
+
+// [Note: hidden parameters] in fsdp/sharded_use_guard.h: in the root's pre-forward, after the
+// root itself is unsharded.
+void hide_other_units(RootContext& context) {
+  for (FSDPState* unit : context.states) {
+    if (unit != context.root) hide_params(*unit);
+  }
+}
+
 }  // namespace
 
 void pre_forward(FSDPState& state, contract::ForwardArgs& args) {
   RECORD_USER_SCOPE("FSDP::pre_forward");
+  comm::IssuingApi issuing_api("fully_shard pre-forward of unit '" + (state.fqn().empty() ? "<root>" : state.fqn()) + "'");
   check_not_inside_recompute_region(state);
   if (state.root_context() == nullptr) lazy_init(state);
   RootContext& context = *state.root_context();
   if (state.is_root()) check_no_summoned_unit(context);
+  // [Note: hidden parameters] in fsdp/sharded_use_guard.h. The root shows what a forward that
+  // threw left hidden, then hides every other unit; a unit shows its own before it is gathered.
+  const bool hide = hides_params_outside_forward(context);
+  if (state.is_root()) {
+    show_all_params(context);
+  } else if (!state.hidden_params.empty()) {
+    show_params(state);
+  }
   if (context.passthrough) {  // one rank: nothing to gather, route or hook
     if (state.is_root()) {
       discard_passthrough_backward(context);  // the last backward threw
+      // [Note: iteration phases] on one rank too, so that what may run between a forward and its
+      // backward (SummonFullParams, state-dict loads) is decided as on several ranks: the root's
+      // calls say whether a backward can still run.
+      if (context.phase != IterationPhase::kForward || !state.iteration.may_get_gradients()) {
+        state.iteration.reset();
+      }
+      bool first = false;
+      state.iteration.begin_call(c10::GradMode::is_enabled(), &first);
+      context.phase = IterationPhase::kForward;
       context.in_root_forward = true;
     }
     TORCH_CHECK(context.in_root_forward, "fully_shard: module ",
                 contract::ModuleStateRegistry::global().describe(state.module()),
                 " ran its forward outside a forward of its root; call the root module");
     state.unshard();  // checks that parameters were not replaced (dtype, device, shape)
+    if (hide) {
+      // The guards' errors say whether a unit ran (forward_order; nothing else needs it here).
+      if (state.is_root()) context.forward_order.clear();
+      auto& order = context.forward_order;
+      if (std::find(order.begin(), order.end(), &state) == order.end()) order.push_back(&state);
+      if (state.is_root()) hide_other_units(context);
+    }
     return;
   }
   if (state.is_root()) root_pre_forward(context);
@@ -137,10 +192,13 @@ void pre_forward(FSDPState& state, contract::ForwardArgs& args) {
   if (state.config().forward_prefetch || state.forward_prefetch_targets) {
     const auto* explicit_targets = state.forward_prefetch_targets ? &*state.forward_prefetch_targets : nullptr;
     for (FSDPState* next : prefetch_targets(state, explicit_targets, context.previous_forward_order, +1)) {
-      if (!next->iteration.ran_forward()) context.prefetch(*next, state, explicit_targets == nullptr);
+      if (next->iteration.ran_forward()) continue;
+      if (!next->hidden_params.empty()) show_params(*next);  // its all-gather reads the shards
+      context.prefetch(*next, state, explicit_targets == nullptr);
     }
   }
   context.unshard(state);
+  if (hide && state.is_root()) hide_other_units(context);
   state.set_training_state(TrainingState::kForward);
   if (const auto dtype = state.config().cast_forward_inputs_to) {
     for (auto& arg : args) {
@@ -154,19 +212,39 @@ void pre_forward(FSDPState& state, contract::ForwardArgs& args) {
 
 void post_forward(FSDPState& state, c10::IValue& output) {
   RECORD_USER_SCOPE("FSDP::post_forward");
+  comm::IssuingApi issuing_api("fully_shard post-forward of unit '" + (state.fqn().empty() ? "<root>" : state.fqn()) + "'");
   RootContext& context = *state.root_context();
+  const bool hide = hides_params_outside_forward(context);
   if (context.passthrough) {
-    if (!state.is_root()) return;
+    if (!state.is_root()) {
+      // Hidden where several ranks would reshard it ([Note: hidden parameters]).
+      if (hide && (state.config().reshard_after_forward || !state.config().handle.shard)) hide_params(state);
+      return;
+    }
+    if (hide) show_all_params(context);
     context.in_root_forward = false;
     hook_root_outputs_passthrough(context, output);
+    end_passthrough_root_call(state, output);
+    if (hide) {
+      std::vector<at::Tensor> outputs;
+      contract::for_each_tensor(output, [&](const at::Tensor& t) {
+        if (t.requires_grad()) outputs.push_back(t);
+      });
+      if (!outputs.empty()) {
+        context.checked_sharded_use = true;
+        check_no_sharded_use(outputs, context);
+      }
+    }
     return;
   }
   // Siblings: reshard after the last of the unit's modules ran.
   const bool last_module = state.iteration.last_module_ran(state.modules().size());
   const bool kept_after_forward = state.is_root() && !context.root_nested;
   if (!kept_after_forward && state.config().reshard_after_forward && last_module) context.reshard(state);
+  if (hide && !state.is_root()) hide_params(state);
   const std::vector<at::Tensor> hooked = hook_outputs_for_backward(state, output);
   if (!state.is_root()) return;
+  if (hide) show_all_params(context);
   context.in_root_forward = false;
   if (context.check_divergence) context.check_ranks_agree(Fingerprint("finished its forward"));
   if (!any_unit_may_get_gradients(context)) {
@@ -177,6 +255,18 @@ void post_forward(FSDPState& state, c10::IValue& output) {
     context.checked_sharded_use = true;
     check_no_sharded_use(hooked, context);
   }
+}
+
+bool settle_forward_phase(RootContext& context) {
+  if (context.phase != IterationPhase::kForward || context.in_root_forward) return false;
+  if (any_unit_may_get_gradients(context)) return true;
+  end_iteration_without_backward(context);
+  return false;
+}
+
+void forward_failed(FSDPState& state) {
+  RootContext* context = state.root_context();
+  if (context != nullptr && state.is_root()) show_all_params(*context);
 }
 
 }  // namespace fsdp::runtime

@@ -17,11 +17,21 @@
 namespace fsdp {
 
 class FSDPState;
+class RootContext;
 
 namespace runtime {
 
 void pre_forward(FSDPState& state, contract::ForwardArgs& args);
 void post_forward(FSDPState& state, c10::IValue& output);
+/// Between root forwards (not inside one): whether a backward can still run through a forward of
+/// `context`'s root (phase kForward, and some unit's outputs are in a live graph). When every such
+/// graph was dropped (a loss never backpropagated), ends the iteration as a forward under
+/// NoGradGuard does (every unit resharded and idle, phase kIdle) and returns false. Local: no
+/// collective; the same on every rank that ran the same program.
+bool settle_forward_phase(RootContext& context);
+/// A unit's forward threw (its forward-exception hook): the root shows the parameters its forward
+/// hid ([Note: hidden parameters] in fsdp/sharded_use_guard.h).
+void forward_failed(FSDPState& state);
 
 }  // namespace runtime
 }  // namespace fsdp

@@ -6,6 +6,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/function.h>
@@ -85,6 +86,37 @@ void check_no_sharded_use(const std::vector<at::Tensor>& outputs, const RootCont
               "`module->forward(x)`), use fsdp::contract::Sequential instead of "
               "torch::nn::Sequential, and do not read a child unit's parameters from its parent "
               "(make the parent one unit with the child).");
+}
+
+bool hides_params_outside_forward(const RootContext& context) { return !context.checked_sharded_use; }
+
+void hide_params(FSDPState& unit) {
+  for (const auto& handle : unit.handles()) {
+    if (handle->is_unsharded()) continue;  // full views: a use outside the forward is correct
+    for (const auto& p : handle->params()) {
+      const at::Tensor& param = p.param;
+      const bool hidden = std::any_of(unit.hidden_params.begin(), unit.hidden_params.end(),
+                                      [&](const FSDPState::HiddenParam& h) { return h.param.is_same(param); });
+      if (hidden) continue;
+      at::Tensor placeholder = at::empty({0}, param.options());
+      unit.hidden_params.push_back({param, param.data(), placeholder});
+      param.set_data(placeholder);
+    }
+  }
+}
+
+void show_params(FSDPState& unit) {
+  for (auto& h : unit.hidden_params) {
+    // Only a parameter still holding its placeholder: anything else gave it new data since.
+    if (h.param.is_alias_of(h.placeholder)) h.param.set_data(h.data);
+  }
+  unit.hidden_params.clear();
+}
+
+void show_all_params(const RootContext& context) {
+  for (FSDPState* unit : context.states) {
+    if (!unit->hidden_params.empty()) show_params(*unit);
+  }
 }
 
 }  // namespace fsdp

@@ -105,6 +105,25 @@ at::Tensor gather_gradients(const FlatParamHandle& handle, const FSDPConfig& con
   return full.to(shard.device());
 }
 
+// Which of `handle`'s parameters hold a gradient on some rank of the handle's group. Each rank's
+// `.grad` is its own (set by the user, or left from a backward on some ranks only), while the
+// gradients are gathered in one collective that every rank must issue or none: the ranks agree
+// first (an all-reduce, issued by every rank whenever the gradients would be all-gathered), and
+// every rank then holds the same full gradients (zeros in the slices of ranks that held none).
+std::vector<bool> grads_on_some_rank(const FlatParamHandle& handle, const FSDPConfig& config) {
+  const auto& params = handle.params();
+  std::vector<bool> has(params.size(), false);
+  for (size_t i = 0; i < params.size(); ++i) has[i] = params[i].param.grad().defined();
+  if (!handle.is_sharded_strategy()) return has;  // nothing gathered: no collective to match
+  at::Tensor flags = at::zeros({static_cast<int64_t>(params.size())}, at::TensorOptions().dtype(at::kInt));
+  for (size_t i = 0; i < params.size(); ++i) flags[static_cast<int64_t>(i)] = has[i] ? 1 : 0;
+  at::Tensor agreed = flags.to(config.comm->device());
+  config.comm->all_reduce(agreed, c10d::ReduceOp::MAX, handle.unit_fqn() + " (tied parameter gradients)").wait();
+  agreed = agreed.cpu();
+  for (size_t i = 0; i < params.size(); ++i) has[i] = agreed[static_cast<int64_t>(i)].item<int>() != 0;
+  return has;
+}
+
 }  // namespace
 
 TiedParameterPlan plan_tied_parameters(const std::vector<torch::nn::Module*>& modules,
@@ -198,15 +217,15 @@ void take_tied_parameters(const TiedParameterPlan& plan) {
     for (const auto& h : unit->handles()) {
       // Full precision: the shards, never the unsharded (param_dtype) buffer.
       const at::Tensor flat = h->gather_full_precision();
-      bool any_grad = false;
-      for (const auto& p : h->params()) any_grad |= p.param.grad().defined();
+      const std::vector<bool> has_grad = grads_on_some_rank(*h, unit->config());
+      const bool any_grad = std::find(has_grad.begin(), has_grad.end(), true) != has_grad.end();
       const at::Tensor flat_grad = any_grad ? gather_gradients(*h, unit->config()) : at::Tensor();
       for (size_t i = 0; i < h->params().size(); ++i) {
         const auto& e = h->layout().entries[i];
         const at::Tensor& param = h->params()[i].param;
         Full f;
         f.value = flat.narrow(0, e.offset, e.numel).view(e.shape).clone();
-        if (param.grad().defined()) f.grad = flat_grad.narrow(0, e.offset, e.numel).view(e.shape).clone();
+        if (has_grad[i]) f.grad = flat_grad.narrow(0, e.offset, e.numel).view(e.shape).clone();
         full.emplace(param.unsafeGetTensorImpl(), std::move(f));
       }
     }

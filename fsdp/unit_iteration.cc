@@ -76,4 +76,15 @@ bool UnitIteration::backward_complete() const {
   });
 }
 
+bool UnitIteration::backward_complete(const std::function<bool(torch::autograd::Node*)>& runs_in_pass) const {
+  return std::all_of(calls_.begin(), calls_.end(), [&](const Call& c) {
+    if (!live(c) || (c.post_backward_visible && c.done)) return true;
+    if (c.reached || c.nodes.empty()) return false;
+    return std::none_of(c.nodes.begin(), c.nodes.end(), [&](const auto& weak) {
+      const auto node = weak.lock();
+      return node && runs_in_pass(node.get());
+    });
+  });
+}
+
 }  // namespace fsdp

@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include <c10/util/intrusive_ptr.h>
@@ -59,6 +60,11 @@ class UnitIteration {
   bool backward_running() const;
   /// Whether every live call that backward can reach has finished its backward this pass.
   bool backward_complete() const;
+  /// backward_complete(), except that a live call this pass has not reached counts as finished
+  /// when `runs_in_pass` holds for none of its outputs' nodes: this pass will never reach it (an
+  /// auxiliary head whose output the caller holds but the loss does not use). A call whose
+  /// outputs are leaves (no nodes) is never counted so.
+  bool backward_complete(const std::function<bool(torch::autograd::Node*)>& runs_in_pass) const;
   /// Whether a live call's backward end cannot be seen (its inputs needed no gradient): the unit
   /// is complete only at the end of the backward pass.
   bool completes_at_end_of_backward() const;

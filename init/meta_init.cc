@@ -2,6 +2,7 @@
 
 #include <memory>
 #include <mutex>
+#include <sstream>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -12,6 +13,8 @@
 #include <c10/core/StorageImpl.h>
 #include <torch/library.h>
 #include <torch/nn/module.h>
+
+#include "contract/forward_hooks.h"
 
 namespace fsdp {
 namespace {
@@ -330,10 +333,64 @@ at::Tensor replay(const Record& record, size_t upto, const std::string& name) {
   return base;
 }
 
+// [Note: meta forward check] A model built under a guard and run without fully_shard or
+// materialize_module computes on meta tensors: some operators fail with raw device errors, others
+// return meta outputs silently. Once a guard was used in the process, every call through a
+// hook-able call path (contract/forward_hooks.h) checks the module's tree for meta tensors, until
+// the module passes once (remembered by identity, so a model pays one walk over its tensors).
+// Processes that never use a guard pay one atomic load per call.
+void check_no_meta_tensors(torch::nn::Module& module) {
+  if (t_session.depth > 0) return;  // inside a guard, meta tensors are what modules compute with
+  static auto* mutex = new std::mutex();  // never destroyed: calls may run during static destruction
+  static auto* passed = new std::unordered_map<const torch::nn::Module*, std::weak_ptr<torch::nn::Module>>();
+  {
+    std::lock_guard<std::mutex> lock(*mutex);
+    const auto it = passed->find(&module);
+    if (it != passed->end() && !it->second.expired()) return;
+  }
+  std::vector<std::string> found;
+  bool unrecorded = false;
+  auto look = [&](const char* kind, const std::string& name, const at::Tensor& t) {
+    if (!t.defined() || !t.is_meta()) return;
+    const bool recorded = has_recorded_init(t);
+    unrecorded |= !recorded;
+    if (found.size() < 4) {
+      std::ostringstream line;
+      line << kind << " '" << name << "' " << t.sizes() << " " << t.scalar_type()
+           << (recorded ? "" : " (no recorded initialization)");
+      found.push_back(line.str());
+    } else {
+      found.push_back("");
+    }
+  };
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) look("parameter", item.key(), item.value());
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) look("buffer", item.key(), item.value());
+  if (found.empty()) {
+    std::lock_guard<std::mutex> lock(*mutex);
+    if (passed->size() > 64) {  // forget destroyed modules now and then
+      for (auto it = passed->begin(); it != passed->end();) it = it->second.expired() ? passed->erase(it) : std::next(it);
+    }
+    (*passed)[&module] = module.weak_from_this();
+    return;
+  }
+  std::ostringstream listed;
+  for (size_t i = 0; i < found.size() && i < 4; ++i) listed << (i ? ", " : "") << found[i];
+  if (found.size() > 4) listed << " and " << found.size() - 4 << " more";
+  TORCH_CHECK(false, "fsdp::MetaInitGuard: the forward of ", module.name(), " was called while ",
+              found.size(), " of its tensors are on the meta device (shape and dtype, no memory or "
+              "values): ", listed.str(), ". A model built inside an fsdp::MetaInitGuard must be "
+              "materialized before it runs: apply fsdp::fully_shard to it (each rank materializes "
+              "only its shards) or call fsdp::materialize_module(*model, device)",
+              unrecorded ? " with an init function for the tensors that have no recorded initialization" : "",
+              " first.");
+}
+
 }  // namespace
 
 MetaInitGuard::MetaInitGuard() : include_(kRecordKey) {
   register_fallback_once();
+  static std::once_flag check_once;
+  std::call_once(check_once, [] { contract::add_forward_call_check(&check_no_meta_tensors); });
   outermost_ = t_session.depth++ == 0;
   if (outermost_) {
     auto generator = at::detail::getDefaultCPUGenerator();

@@ -45,6 +45,11 @@
 // without the guard but are not the same numbers as a model built without it; an explicit
 // `generator` argument is replaced by the memory's own generator in the same way.
 //
+// A model built inside a guard must be materialized (fully_shard, materialize_module) before it
+// runs: once a guard was used, a call through a hook-able holder (contract/forward_hooks.h) whose
+// module tree still holds meta tensors is refused, naming them and the fix ([Note: meta forward
+// check] in meta_init.cc; LibTorch's own holders call forward directly and are not checked).
+//
 // Limits: code that reads values during construction (`.item()`, `data_ptr()`, accessors, ops
 // with no meta kernel) fails inside the guard with an error naming the operator. Operations on the
 // meta tensors after the guard ends are not recorded: initialize inside the guard (a constructor,

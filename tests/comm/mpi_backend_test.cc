@@ -1,7 +1,10 @@
 // The Open MPI c10d backend, through the Communicator wrapper, on every world size of the launch:
 // every collective, every dtype, element counts that do and do not divide by the world size, empty
 // tensors, against closed-form values.
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <cstdio>
 #include <fstream>
 #include <thread>
@@ -465,4 +468,125 @@ FSDP_RANKS_TEST_CASE("the progress thread alone still completes what nobody wait
   CHECK(pending.completed());
   pending.wait();
   check_equal(t, expected_sum(W, at::arange(100, at::kLong)), "all_reduce nobody waited for");
+}
+
+// Completion callbacks run on the thread that completed the collective (the progress thread, or a
+// driving waiter). A callback that waits for another collective must not block the engine.
+
+namespace {
+
+// Fails the test (and ends the process, since the threads involved cannot be unblocked) if `done`
+// is not set within `limit`: a regression of the cases below hangs instead of failing otherwise.
+class HangGuard {
+ public:
+  HangGuard(const char* what, std::chrono::seconds limit) : thread_([this, what, limit] {
+      std::unique_lock<std::mutex> lock(mutex_);
+      if (!cv_.wait_for(lock, limit, [&] { return done_; })) {
+        std::fprintf(stderr, "[rank %d] HUNG: %s did not finish within %lld s\n", rank(), what,
+                     static_cast<long long>(limit.count()));
+        std::fflush(stderr);
+        std::_Exit(1);
+      }
+    }) {}
+  ~HangGuard() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
+// An all-reduce through the backend itself, for its Work (and the Work's future).
+c10::intrusive_ptr<c10d::Work> backend_all_reduce(at::Tensor t) {
+  std::vector<at::Tensor> tensors{t};
+  return world().backend()->allreduce(tensors);
+}
+
+}  // namespace
+
+FSDP_RANKS_TEST_CASE("a completion callback on the progress thread may wait for another collective",
+                     "[comm][mpi][callback]") {
+  const int W = world_size();
+  HangGuard guard("a collective waited for inside a completion callback", std::chrono::seconds(30));
+  for (const bool drives : {true, false}) {
+    WaitPath path(drives);
+    at::Tensor first = rank_values(rank(), 16, at::kFloat);
+    at::Tensor inner = rank_values(rank(), 8, at::kFloat);
+    at::Tensor other = rank_values(rank(), 4, at::kFloat);
+    auto first_work = backend_all_reduce(first);
+    // Still in flight while the callback waits: the inner collective is not the only one
+    // outstanding, so its wait cannot count on being alone.
+    rank0_arrives_late();
+    auto other_work = backend_all_reduce(other);
+    std::atomic<bool> callback_done{false};
+    std::string callback_error;
+    first_work->getFuture()->addCallback([&](c10::ivalue::Future&) {
+      try {
+        backend_all_reduce(inner)->wait();
+      } catch (const std::exception& e) {
+        callback_error = e.what();
+      }
+      callback_done = true;
+    });
+    // Nobody waits for the first collective: the progress thread completes it and runs the
+    // callback there (or the callback runs here, if it completed already).
+    while (!callback_done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    first_work->wait();
+    other_work->wait();
+    CHECK(callback_error.empty());
+    check_equal(inner, expected_sum(W, at::arange(8, at::kLong)), "all_reduce waited in a callback");
+    check_equal(first, expected_sum(W, at::arange(16, at::kLong)), "all_reduce with the callback");
+    check_equal(other, expected_sum(W, at::arange(4, at::kLong)), "all_reduce beside the callback");
+  }
+}
+
+FSDP_RANKS_TEST_CASE("a completion callback run by a driving waiter may wait for another collective",
+                     "[comm][mpi][callback]") {
+  const int W = world_size();
+  HangGuard guard("a collective waited for inside a callback run by the driver", std::chrono::seconds(30));
+  WaitPath path(true);
+  rank0_arrives_late();
+  at::Tensor first = rank_values(rank(), 16, at::kFloat);
+  at::Tensor inner = rank_values(rank(), 8, at::kFloat);
+  auto first_work = backend_all_reduce(first);
+  std::string callback_error;
+  first_work->getFuture()->addCallback([&](c10::ivalue::Future&) {
+    try {
+      backend_all_reduce(inner)->wait();
+    } catch (const std::exception& e) {
+      callback_error = e.what();
+    }
+  });
+  // The only collective in flight: this thread drives it and runs the callback itself.
+  first_work->wait();
+  CHECK(callback_error.empty());
+  check_equal(inner, expected_sum(W, at::arange(8, at::kLong)), "all_reduce waited in a callback");
+}
+
+FSDP_RANKS_TEST_CASE("world_size() takes the MPI lock like every other MPI call", "[comm][mpi]") {
+  std::atomic<bool> returned{false};
+  int size = -1;
+  std::thread caller;
+  {
+    std::lock_guard<std::mutex> held(fsdp::comm::mpi::mpi_lock());
+    caller = std::thread([&] {
+      size = fsdp::comm::mpi::world_size();
+      returned = true;
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    // While another thread holds the lock (as the progress thread does inside MPI_Test), no MPI
+    // call may run.
+    CHECK_FALSE(returned.load());
+  }
+  caller.join();
+  CHECK(returned.load());
+  CHECK(size == world_size());
 }

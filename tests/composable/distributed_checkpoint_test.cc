@@ -17,6 +17,8 @@
 #include <torch/optim/adamw.h>
 
 #include "comm/device_mesh.h"
+#include "contract/hookable_module_holder.h"
+#include "contract/hookable_modules.h"
 #include "comm/mpi_backend.h"
 #include "composable/distributed_checkpoint.h"
 #include "composable/full_state_dict_files.h"
@@ -381,8 +383,11 @@ FSDP_RANKS_TEST_CASE("damaged checkpoints and other models are refused on every 
     auto deeper = make_model(78, 16, 3);
     auto deeper_units = fsdp::testing::shard_stack(deeper, fsdp::FullyShardOptions().communicator(fresh_comm()));
     const auto deeper_before = full(deeper_units.back());
+    // Every missing key is named, in one message.
     CHECK_THROWS_WITH(fsdp::dcp::load(dir, deeper_units.back(), nullptr, nullptr, options),
-                      Contains("'blocks.2.fc1.weight' is not in the checkpoint"));
+                      Contains("4 keys are not in the checkpoint") && Contains("'blocks.2.fc1.weight'") &&
+                          Contains("'blocks.2.fc1.bias'") && Contains("'blocks.2.fc2.weight'") &&
+                          Contains("'blocks.2.fc2.bias'"));
     check_same(full(deeper_units.back()), deeper_before);
     // Not strict: the keys present load, the others keep their values.
     fsdp::dcp::load(dir, deeper_units.back(), nullptr, nullptr, fsdp::dcp::LoadOptions(options).strict(false));
@@ -632,4 +637,173 @@ FSDP_RANKS_TEST_CASE("a write error on one rank fails the save everywhere and ke
   fsdp::dcp::testing::set_file_written_hook(nullptr);
   fsdp::dcp::load(dir, other_units.back(), nullptr, nullptr, fsdp::dcp::LoadOptions().communicator(fresh_comm()));
   check_same(full(other_units.back()), reference_state(14));
+}
+
+// A folder saved by fsdp::dcp whose manifest was deleted would load the weights and silently drop
+// the Extra values (they are in the manifest): refused on every rank, naming the folder and the
+// manifest, the model unchanged. Folders of other writers (no manifest of ours, see "foreign
+// checkpoints without a manifest load") still load.
+FSDP_RANKS_TEST_CASE("a checkpoint of ours without its manifest is refused", "[dcp]") {
+  const std::string dir = test_dir("no_manifest");
+  auto model = make_model(16);
+  auto units = fsdp::testing::shard_stack(model, fsdp::FullyShardOptions().communicator(fresh_comm()));
+  fsdp::dcp::Extra extra;
+  extra.values["step"] = "16";
+  fsdp::dcp::save(dir, units.back(), nullptr, extra, fsdp::dcp::SaveOptions().communicator(fresh_comm()));
+  world().barrier();
+  if (rank() == 0) fs::remove(dir + "/" + fsdp::dcp::kManifestName);
+  world().barrier();
+  auto fresh = make_model(17);
+  auto fresh_units = fsdp::testing::shard_stack(fresh, fsdp::FullyShardOptions().communicator(fresh_comm()));
+  const auto before = full(fresh_units.back());
+  fsdp::dcp::Extra back;
+  CHECK_THROWS_WITH(fsdp::dcp::load(dir, fresh_units.back(), nullptr, &back,
+                                    fsdp::dcp::LoadOptions().communicator(fresh_comm())),
+                    Contains("has no manifest") && Contains(fsdp::dcp::kManifestName) && Contains(dir) &&
+                        Contains("nothing was loaded"));
+  check_same(full(fresh_units.back()), before);
+  CHECK(back.values.empty());
+}
+
+// dcp::load between a forward and its backward (or while a unit is unsharded): the units unsharded
+// then would keep computing with the values they gathered. Refused on every rank, the model
+// unchanged, the backward still runs.
+FSDP_RANKS_TEST_CASE("dcp::load is refused between forward and backward and while a unit is unsharded", "[dcp]") {
+  const std::string dir = test_dir("mid_iteration");
+  auto source = make_model(18);
+  auto source_units = fsdp::testing::shard_stack(source, fsdp::FullyShardOptions().communicator(fresh_comm()));
+  fsdp::dcp::save(dir, source_units.back(), nullptr, {}, fsdp::dcp::SaveOptions().communicator(fresh_comm()));
+  auto model = make_model(19);
+  auto units = fsdp::testing::shard_stack(model, fsdp::FullyShardOptions().communicator(fresh_comm()));
+  const auto before = full(units.back());
+  const auto options = fsdp::dcp::LoadOptions().communicator(fresh_comm());
+  auto loss = torch::nn::functional::mse_loss(model(at::ones({2, 6})), at::zeros({2, 3}));
+  // On every world size (one rank's passthrough units track the phase too).
+  CHECK_THROWS_WITH(fsdp::dcp::load(dir, units.back(), nullptr, nullptr, options),
+                    Contains("fsdp::dcp::load") && Contains("backward has not") && Contains("nothing was loaded"));
+  CHECK_NOTHROW(loss.backward());
+  check_same(full(units.back()), before);
+  if (world_size() > 1) {  // on one rank nothing is sharded, and unshard() gathers nothing
+    units.front().unshard();
+    CHECK_THROWS_WITH(fsdp::dcp::load(dir, units.back(), nullptr, nullptr, options),
+                      Contains("is unsharded") && Contains("reshard()"));
+    units.front().reshard();
+  }
+  fsdp::dcp::load(dir, units.back(), nullptr, nullptr, options);
+  check_same(full(units.back()), reference_state(18));
+}
+
+// The target of a save is checked before anything is written: a regular file, or a folder inside
+// a regular file, is the same error on every rank, and no temporary folder is left. A save that
+// fails after writing removes its temporary folder.
+FSDP_RANKS_TEST_CASE("saving into a file is refused before writing; failed saves leave no .partial folder",
+                     "[dcp]") {
+  const std::string file = test_dir("target_file");
+  world().barrier();
+  if (rank() == 0) fsdp::storage::write_file(file, "not a folder");
+  world().barrier();
+  auto model = make_model(20);
+  auto units = fsdp::testing::shard_stack(model, fsdp::FullyShardOptions().communicator(fresh_comm()));
+  const auto save_options = fsdp::dcp::SaveOptions().communicator(fresh_comm());
+  int64_t written = 0;
+  fsdp::dcp::testing::set_file_written_hook([&](const std::string&) { ++written; });
+  CHECK_THROWS_WITH(fsdp::dcp::save(file, units.back(), nullptr, {}, save_options),
+                    Contains("'" + file + "': it exists and is not a folder") && Contains("prepare"));
+  CHECK_THROWS_WITH(fsdp::dcp::save(file + "/step-1", units.back(), nullptr, {}, save_options),
+                    Contains("'" + file + "' is not a folder"));
+  CHECK(written == 0);
+  fsdp::dcp::testing::set_file_written_hook(nullptr);
+  CHECK(fsdp::storage::read_file(file) == "not a folder");
+  CHECK_FALSE(fs::exists(fsdp::storage::temporary_sibling(file)));
+  // A write error on the last rank, after the others wrote everything.
+  const std::string dir = test_dir("partial_removed");
+  if (rank() == world_size() - 1) {
+    fsdp::dcp::testing::set_file_written_hook(
+        [](const std::string& path) { TORCH_CHECK(false, "disk full while writing '", path, "'"); });
+  }
+  CHECK_THROWS_WITH(fsdp::dcp::save(dir, units.back(), nullptr, {}, save_options), Contains("disk full"));
+  fsdp::dcp::testing::set_file_written_hook(nullptr);
+  world().barrier();
+  CHECK_FALSE(fs::exists(fsdp::storage::temporary_sibling(dir)));
+  CHECK_FALSE(fs::exists(dir));
+}
+
+// With a manifest, a load opens only the files that hold what it reads (from many ranks, every
+// rank opening every file would exceed the open-file limit): each rank wrote one key of its own
+// into its own file, and each loading rank reads one key.
+FSDP_RANKS_TEST_CASE("a load opens only the files holding the keys it reads", "[dcp]") {
+  const int W = world_size();
+  const std::string dir = test_dir("files_opened");
+  fsdp::ShardedStateDict state;
+  for (int r = 0; r < W; ++r) {
+    const bool mine = r == rank();
+    state.emplace_back("k" + std::to_string(r),
+                       fsdp::LocalShard{at::full({mine ? 3 : 0}, static_cast<float>(r)), {3}, 0, mine});
+  }
+  fsdp::dcp::save_state(dir, state, {}, fsdp::dcp::SaveOptions().communicator(fresh_comm()));
+  // Loaded on the first ranks only (fewer than saved when W > 1): rank r reads key k<r+1 (mod W).
+  const int s = std::max(1, W - 1);
+  auto comm = first_ranks(s);
+  if (rank() < s) {
+    const int key = (rank() + 1) % W;
+    fsdp::ShardedStateDict wanted;
+    wanted.emplace_back("k" + std::to_string(key), fsdp::LocalShard{at::zeros({3}), {3}, 0, false});
+    const int64_t opened_before = fsdp::dcp::testing::checkpoint_files_opened();
+    fsdp::dcp::load_state(dir, wanted, nullptr, fsdp::dcp::LoadOptions().communicator(comm));
+    CHECK(fsdp::dcp::testing::checkpoint_files_opened() - opened_before == 1);
+    CHECK(wanted[0].second.local.equal(at::full({3}, static_cast<float>(key))));
+  }
+  world().barrier();
+}
+
+namespace {
+// A model with submodules named like the checkpoint's key prefixes: `state` (the optimizer's
+// "state." keys) and `extra` (Extra tensors' "extra." keys).
+struct PrefixNamesImpl : torch::nn::Module {
+  PrefixNamesImpl() {
+    state = register_module("state", fsdp::contract::Linear(4, 4));
+    extra = register_module("extra", fsdp::contract::Linear(4, 2));
+  }
+  at::Tensor forward(at::Tensor x) { return extra(state(x)); }
+  fsdp::contract::Linear state{nullptr}, extra{nullptr};
+};
+FSDP_HOOKABLE_MODULE(PrefixNames);
+}  // namespace
+
+// Strict loads: a zero-element key the checkpoint lacks is missing like any other. "Has optimizer
+// state" and "is an Extra tensor" come from the keys themselves, not from their prefixes.
+FSDP_RANKS_TEST_CASE("strict loads refuse missing zero-element keys; submodules named state or extra", "[dcp]") {
+  const std::string dir = test_dir("prefix_names");
+  {
+    fsdp::ShardedStateDict saved;
+    saved.emplace_back("a", fsdp::LocalShard{at::ones({2}), {2}, 0, rank() == 0});
+    fsdp::dcp::save_state(dir, saved, {}, fsdp::dcp::SaveOptions().communicator(fresh_comm()));
+    fsdp::ShardedStateDict wanted;
+    wanted.emplace_back("a", fsdp::LocalShard{at::zeros({2}), {2}, 0, false});
+    wanted.emplace_back("empty", fsdp::LocalShard{at::zeros({0}), {0, 3}, 0, false});
+    CHECK_THROWS_WITH(fsdp::dcp::load_state(dir, wanted, nullptr, fsdp::dcp::LoadOptions().communicator(fresh_comm())),
+                      Contains("1 key is not in the checkpoint") && Contains("'empty'"));
+    CHECK(fsdp::dcp::load_state(dir, wanted, nullptr,
+                                fsdp::dcp::LoadOptions().communicator(fresh_comm()).strict(false)) == 1);
+  }
+  torch::manual_seed(21);
+  PrefixNames model;
+  auto root = fsdp::fully_shard(model, fsdp::FullyShardOptions().communicator(fresh_comm()));
+  fsdp::dcp::Extra extra;
+  extra.values["step"] = "21";
+  fsdp::dcp::save(dir, root, nullptr, extra, fsdp::dcp::SaveOptions().communicator(fresh_comm()));
+  torch::manual_seed(22);
+  PrefixNames fresh;
+  auto fresh_root = fsdp::fully_shard(fresh, fsdp::FullyShardOptions().communicator(fresh_comm()));
+  torch::optim::AdamW optim(fresh->parameters(), torch::optim::AdamWOptions(1e-2));
+  const auto before = full(fresh_root);
+  CHECK_THROWS_WITH(fsdp::dcp::load(dir, fresh_root, &optim, nullptr,
+                                    fsdp::dcp::LoadOptions().communicator(fresh_comm())),
+                    Contains("holds no optimizer state"));
+  check_same(full(fresh_root), before);
+  fsdp::dcp::Extra back;
+  fsdp::dcp::load(dir, fresh_root, nullptr, &back, fsdp::dcp::LoadOptions().communicator(fresh_comm()));
+  check_same(full(fresh_root), full(root));
+  CHECK(back.values == extra.values);
+  CHECK(back.tensors.is_empty());  // the model's `extra.*` keys are not Extra tensors
 }

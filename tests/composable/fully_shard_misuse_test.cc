@@ -6,8 +6,11 @@
 // sharding. Every error names the API, the FQNs, what was expected and what was found, and is
 // raised on every rank (the harness exchanges each test case's outcome across ranks).
 //
-// On one rank a sharded parameter is the whole parameter in its full shape: modules called around
-// their hooks and penalties over the parameters compute correctly there, and nothing is reported.
+// On one rank a sharded parameter is the whole parameter in its full shape, but in the first
+// forwards every parameter outside its unit's forward is an empty placeholder on every world size
+// ([Note: hidden parameters] in fsdp/sharded_use_guard.h): a module called around its hooks fails
+// the same way on every rank and world size. Penalties over the parameters after the forward
+// compute correctly on one rank and are reported at the end of the first backward on several.
 #include <memory>
 #include <string>
 #include <vector>
@@ -79,13 +82,14 @@ static_assert(!fsdp::contract::HookableHolder<fsdp::contract::ModuleList>);
 
 // How the root reaches its child unit, a Linear(3, 3) with a bias: a 1-D sharded weight fails in
 // addmm ("mat2 must be a matrix").
-enum class Reach { kThroughHooks, kTorchSequential, kBypassForward, kModuleDict, kAnyModule };
+enum class Reach { kThroughHooks, kTorchSequential, kBypassForward, kModuleDict, kAnyModule, kPlainHolder };
 
 struct RootImpl : torch::nn::Module {
   explicit RootImpl(Reach reach) : reach(reach) {
     fc = register_module("fc", fsdp::contract::Linear(3, 3));
     auto impl = std::make_shared<torch::nn::LinearImpl>(3, 3);
     child = fsdp::contract::Linear(impl);
+    plain = torch::nn::Linear(impl);
     switch (reach) {
       case Reach::kTorchSequential:
         seq = register_module("seq", torch::nn::Sequential(impl));
@@ -108,6 +112,7 @@ struct RootImpl : torch::nn::Module {
       case Reach::kBypassForward: return child->forward(x);
       case Reach::kModuleDict: return (*dict)["proj"]->as<torch::nn::LinearImpl>()->forward(x);
       case Reach::kAnyModule: return any.forward(x);
+      case Reach::kPlainHolder: return plain(x);  // LibTorch's holder: no hooks
     }
     return x;
   }
@@ -121,6 +126,7 @@ struct RootImpl : torch::nn::Module {
   torch::nn::Sequential seq{nullptr};
   torch::nn::ModuleDict dict{nullptr};
   torch::nn::AnyModule any;
+  torch::nn::Linear plain{nullptr};
 };
 FSDP_HOOKABLE_MODULE(Root);
 
@@ -216,8 +222,12 @@ FSDP_RANKS_TEST_CASE("LibTorch's containers are refused as units, leaving the mo
 }
 
 FSDP_RANKS_TEST_CASE("a unit called around its hooks is named when the root's forward fails", "[fully_shard][misuse]") {
-  const int W = world_size();
-  for (Reach reach : {Reach::kTorchSequential, Reach::kBypassForward, Reach::kModuleDict, Reach::kAnyModule}) {
+  // On every world size, one rank included, and with the same message on every rank: in the
+  // first forward the bypassed child's parameters are empty placeholders on every rank (a
+  // sharded weight has another size on each rank, so ranks used to fail differently or not at
+  // all, and one rank computed silently).
+  for (Reach reach : {Reach::kTorchSequential, Reach::kBypassForward, Reach::kModuleDict, Reach::kAnyModule,
+                      Reach::kPlainHolder}) {
     torch::manual_seed(3);
     auto model = Root(reach);
     const std::string fqn = model->child_fqn();
@@ -226,21 +236,21 @@ FSDP_RANKS_TEST_CASE("a unit called around its hooks is named when the root's fo
     fsdp::fully_shard(*model->child, o);  // through the module: the holder it is called by differs
     fsdp::fully_shard(model, o);
     const at::Tensor x = at::randn({2, 3});
-    if (W == 1) {
-      // One rank: the "sharded" weight is the whole [3, 3] weight; nothing is wrong.
-      at::Tensor out = model(x);
-      out.sum().backward();
-      CHECK(unsharded_bytes(*model) == 0);
-      continue;
-    }
+    const at::Tensor weight = model->child->weight;
+    const std::vector<int64_t> shape_before = weight.sizes().vec();
+    const void* data_before = weight.data_ptr();
     const std::string message = error_of([&] { model(x); });
     CHECK_THAT(message, Contains("fully_shard: while running unit '<root>', 1 unit(s) inside it had "
                                  "not run their pre-forward in this iteration"));
     CHECK_THAT(message, Contains("unit '" + fqn + "' (torch::nn::LinearImpl): '" + fqn +
-                                 ".weight' [3, 3] held as ["));
+                                 ".weight' [3, 3] held as [0] Float"));
     CHECK_THAT(message, Contains("not `module->forward(x)`") && Contains("FSDP_HOOKABLE_MODULE") &&
                             Contains("fsdp::contract::Sequential"));
     CHECK(count_of(message, "fully_shard: while running unit") == 1);
+    CHECK(fsdp::testing::same_on_every_rank(message));
+    // The failed forward left the parameters as they were: shards (full on one rank).
+    CHECK(weight.sizes().vec() == shape_before);
+    CHECK(weight.data_ptr() == data_before);
 
     // Called through its hooks, the model trains after the failed forward (every rank threw at
     // the same point, so the next forward starts cleanly on all of them).
@@ -273,15 +283,11 @@ FSDP_RANKS_TEST_CASE("the innermost unit a forward error crosses explains it", "
   fsdp::fully_shard(model->block, o);
   fsdp::fully_shard(model, o);
   const at::Tensor x = at::randn({2, 3});
-  if (world_size() == 1) {
-    model(x).sum().backward();
-    CHECK(unsharded_bytes(*model) == 0);
-    return;
-  }
   const std::string message = error_of([&] { model(x); });
   CHECK_THAT(message, Contains("fully_shard: while running unit 'block', 1 unit(s) inside it") &&
                           Contains("unit 'block.seq.0' (torch::nn::LinearImpl): 'block.seq.0.weight' [3, 3]"));
   CHECK(count_of(message, "fully_shard: while running unit") == 1);
+  CHECK(fsdp::testing::same_on_every_rank(message));
 }
 
 FSDP_RANKS_TEST_CASE("fully_shard's own errors inside a forward are left as they are", "[fully_shard][misuse]") {
@@ -311,17 +317,13 @@ FSDP_RANKS_TEST_CASE("a parameter read outside its unit's forward is named with 
     fsdp::fully_shard(model->child, o);
     fsdp::fully_shard(model, o);
     const at::Tensor x = at::randn({2, 3});
-    if (world_size() == 1) {
-      model(x).sum().backward();
-      CHECK(unsharded_bytes(*model) == 0);
-      continue;
-    }
     const std::string message = error_of([&] { model(x); });
     CHECK_THAT(message, Contains("fully_shard: parameters were used in the forward while sharded") &&
-                            Contains("child.scale (used with shape [") && Contains("expected [4]") &&
+                            Contains("child.scale (used with shape [0], expected [4]") &&
                             Contains("rank 0:") && Contains("rank " + std::to_string(world_size() - 1) + ":"));
     CHECK_THAT(message, Contains(call_child ? "unit 'child', read outside its forward"
                                             : "unit 'child', whose pre-forward did not run"));
+    CHECK(fsdp::testing::same_on_every_rank(message));
   }
 }
 
@@ -407,4 +409,85 @@ FSDP_RANKS_TEST_CASE("module->to(dtype) after fully_shard is an error naming the
                           Contains("' of unit '<root>' was replaced while sharded by a tensor of dtype Double"));
   CHECK_THAT(message, Contains("expected Float") && Contains("module->to(") &&
                           Contains("FullyShardOptions::mixed_precision"));
+}
+
+FSDP_RANKS_TEST_CASE("non-floating mixed-precision dtypes are refused before fully_shard changes anything", "[fully_shard][misuse]") {
+  // Before its checks fully_shard moved the tied weight out of the unit below (rebuilding it),
+  // broadcast rank 0's values (sync_module_states) and cast buffers: all of that must wait.
+  struct Bad {
+    const char* name;
+    fsdp::MixedPrecision mp;
+    const char* found;
+  };
+  const std::vector<Bad> cases = {
+      {"param_dtype", fsdp::MixedPrecision().param_dtype(at::kInt).buffer_dtype(at::kHalf), "param_dtype Int"},
+      {"reduce_dtype",
+       fsdp::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kLong).buffer_dtype(at::kHalf),
+       "reduce_dtype Long"},
+      {"buffer_dtype", fsdp::MixedPrecision().buffer_dtype(at::kInt), "buffer_dtype Int"},
+  };
+  const double r = fsdp::testing::rank();
+  for (const auto& bad : cases) {
+    INFO(bad.name);
+    torch::manual_seed(5);
+    auto model = fsdp::testing::Tied(4, 6);
+    const at::Tensor stat = model->register_buffer("stat", at::full({4}, 1.0 + r));
+    {
+      torch::NoGradGuard no_grad;  // values that differ across ranks: a broadcast would change them
+      for (auto& p : model->parameters()) p.add_(r);
+    }
+    auto enc = fsdp::fully_shard(model->enc, options());  // holds the tied weight until the root takes it
+    std::vector<at::Tensor> values;
+    std::vector<const void*> data;
+    for (const auto& p : model->parameters()) {
+      values.push_back(p.detach().clone());
+      data.push_back(p.data_ptr());
+    }
+    const std::string message = error_of([&] {
+      fsdp::fully_shard(model, options().mixed_precision(bad.mp).sync_module_states(true));
+    });
+    CHECK_THAT(message, Contains("fully_shard: module '<root>' (fsdp::testing::TiedImpl): mixed precision needs floating-point "
+                                 "dtypes") &&
+                            Contains(bad.found));
+    CHECK(fsdp::testing::same_on_every_rank(message));
+    CHECK_FALSE(fsdp::fsdp_module_of(*model).has_value());
+    CHECK(fsdp::contract::num_forward_pre_hooks(*model) == 0);
+    CHECK(enc.state().manages(model->enc->weight));  // the tied weight did not move
+    CHECK(stat.scalar_type() == at::kFloat);
+    CHECK(stat.equal(at::full({4}, 1.0 + r)));
+    const auto params = model->parameters();
+    REQUIRE(params.size() == values.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      CHECK(params[i].data_ptr() == data[i]);
+      CHECK(params[i].detach().equal(values[i]));
+    }
+    // The same call with valid dtypes then works.
+    CHECK_NOTHROW(fsdp::fully_shard(model, options().mixed_precision(fsdp::MixedPrecision().buffer_dtype(at::kHalf))));
+    CHECK(stat.scalar_type() == at::kHalf);
+  }
+}
+
+FSDP_RANKS_TEST_CASE("a check that fails on one rank only refuses fully_shard on every rank", "[fully_shard][misuse]") {
+  // The call communicates (a tied weight to move in, sync_module_states): the ranks agree on the
+  // checks first, so the ranks whose checks passed do not wait in a collective the last skips.
+  const int W = world_size();
+  torch::manual_seed(5);
+  auto model = fsdp::testing::Tied(4, 6);
+  auto enc = fsdp::fully_shard(model->enc, options());
+  const bool last = fsdp::testing::rank() == W - 1;
+  const auto mp = last ? fsdp::MixedPrecision().param_dtype(at::kInt) : fsdp::MixedPrecision();
+  const std::string message = error_of([&] {
+    fsdp::fully_shard(model, options().mixed_precision(mp).sync_module_states(true));
+  });
+  CHECK_THAT(message, Contains("param_dtype Int"));
+  if (W > 1) {
+    CHECK_THAT(message, Contains("fully_shard: module '<root>' (fsdp::testing::TiedImpl) was refused on some ranks "
+                                 "(nothing was changed on any rank)") &&
+                            Contains("rank 0: (its checks passed)") &&
+                            Contains("rank " + std::to_string(W - 1) + ": fully_shard: module '<root>'"));
+  }
+  CHECK(fsdp::testing::same_on_every_rank(message));
+  CHECK_FALSE(fsdp::fsdp_module_of(*model).has_value());
+  CHECK(enc.state().manages(model->enc->weight));
+  CHECK_NOTHROW(fsdp::fully_shard(model, options().sync_module_states(true)));
 }

@@ -200,3 +200,33 @@ TEST_CASE("Units on the blocks only: the rest is materialized with materialize_m
 }
 
 }  // namespace
+
+namespace {
+
+TEST_CASE("A meta-built model run before it is materialized names its meta tensors and the fix", "[meta_init]") {
+  torch::manual_seed(4);
+  MetaNet model = build_meta();
+  const auto x = torch::randn({4, 6});
+  // Without the check some of its operators fail with raw device errors, others return meta
+  // outputs silently.
+  const std::string error = fsdp::testing::error_of([&] { model(x); });
+  CHECK_THAT(error, Catch::Contains("fsdp::MetaInitGuard: the forward of ") && Catch::Contains("MetaNetImpl was called while") &&
+                        Catch::Contains("of its tensors are on the meta device (shape and dtype, no memory or values)") &&
+                        Catch::Contains("parameter 'scale' [8] Float") &&
+                        Catch::Contains("parameter 'in.weight' [8, 6] Float") &&
+                        Catch::Contains("apply fsdp::fully_shard to it") &&
+                        Catch::Contains("fsdp::materialize_module(*model, device)"));
+  // A submodule called directly is checked too; nothing was changed.
+  CHECK_THAT(fsdp::testing::error_of([&] { model->in(x); }),
+             Catch::Contains("the forward of torch::nn::LinearImpl was called") &&
+                 Catch::Contains("parameter 'weight' [8, 6] Float"));
+  REQUIRE(model->in->weight.is_meta());
+  // Materialized, it runs (and matches a model built the same way and materialized first).
+  fsdp::materialize_module(*model);
+  torch::manual_seed(4);
+  MetaNet reference = build_meta();
+  fsdp::materialize_module(*reference);
+  REQUIRE(torch::equal(model(x), reference(x)));
+}
+
+}  // namespace

@@ -8,7 +8,10 @@
 // Sharded: each rank's views, reassembled across the world from global_shape / flat_offset /
 // write, give every element of the full state dict exactly once (hybrid sharding and tied
 // parameters too), and writing into the views loads.
+#include <filesystem>
+
 #include <ATen/ATen.h>
+#include <torch/serialize.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 
@@ -379,4 +382,67 @@ FSDP_RANKS_TEST_CASE("a tied parameter is in the sharded state dict under each F
     REQUIRE(full.contains(item.key()));
     CHECK(full[item.key()].equal(item.value()));
   }
+}
+
+// torch::save / torch::load of a sharded model's holder (or of a holder inside it) would write
+// each rank's 1-D shards as if they were the parameters, or replace the tensors fully_shard
+// manages: refused on every rank before anything is written or read, the model unchanged. The
+// same calls on an unsharded model still work.
+FSDP_RANKS_TEST_CASE("torch::save and torch::load of a sharded model are refused, naming the unit", "[state_dict]") {
+  const std::string dir = fsdp::testing::shared_tmpdir() + "/torch_save_" + std::to_string(rank());
+  std::filesystem::create_directories(dir);
+  // A block's archive (the stack's own would not load back in LibTorch: its child is named `in`,
+  // a keyword of TorchScript's archive format).
+  const std::string unsharded_path = dir + "/unsharded_block.pt";
+  auto plain = make_stack(71);
+  torch::save(plain->block(0), unsharded_path);  // no unit: allowed
+  auto model = make_stack(72);
+  auto units = fsdp::testing::shard_stack(model, fsdp::FullyShardOptions().communicator(fresh_comm()));
+  const Dict before = everywhere(units.back());
+  const std::string sharded_path = dir + "/sharded.pt";
+  CHECK_THROWS_WITH(torch::save(model, sharded_path),
+                    Contains("torch::save") && Contains("managed by fully_shard") && Contains("fsdp::dcp::save"));
+  CHECK_FALSE(std::filesystem::exists(sharded_path));
+  CHECK_THROWS_WITH(torch::save(model->block(0), sharded_path), Contains("torch::save") && Contains("'blocks.0'"));
+  CHECK_THROWS_WITH(torch::save(model->block(0)->fc1, sharded_path), Contains("'blocks.0.fc1'"));
+  CHECK_FALSE(std::filesystem::exists(sharded_path));
+  auto block = model->block(0);
+  CHECK_THROWS_WITH(torch::load(block, unsharded_path), Contains("torch::load") && Contains("managed by fully_shard"));
+  CHECK_THROWS_WITH(torch::load(model, unsharded_path), Contains("torch::load") && Contains("'<root>'"));
+  CHECK(dicts_equal(everywhere(units.back()), before));
+  // The model still trains after the refusals.
+  torch::nn::functional::mse_loss(model(at::ones({2, 6})), at::zeros({2, 3})).backward();
+  // An unsharded model loads what was saved.
+  auto other = make_stack(73);
+  auto other_block = other->block(0);
+  torch::load(other_block, unsharded_path);
+  CHECK(other->block(0)->fc1->weight.equal(plain->block(0)->fc1->weight));
+  std::filesystem::remove_all(dir);
+}
+
+// load_full_state_dict between a forward and its backward: units unsharded then (the root) would
+// keep computing with the values they gathered. Refused on every rank, the model unchanged, and
+// the backward still runs; also while a unit is unsharded by unshard().
+FSDP_RANKS_TEST_CASE("load_full_state_dict is refused between forward and backward and while unsharded",
+                     "[state_dict]") {
+  auto model = make_stack(74);
+  auto units = fsdp::testing::shard_stack(model, fsdp::FullyShardOptions().communicator(fresh_comm()));
+  const Dict before = everywhere(units.back());
+  const Dict other = everywhere(units.back());
+  for (auto& item : other) item.value().add_(1.0);
+  auto loss = torch::nn::functional::mse_loss(model(at::ones({2, 6})), at::zeros({2, 3}));
+  // On every world size (one rank's passthrough units track the phase too).
+  CHECK_THROWS_WITH(fsdp::load_full_state_dict(units.back(), other),
+                    Contains("fsdp::load_full_state_dict") && Contains("backward has not") &&
+                        Contains("Nothing was loaded"));
+  CHECK_NOTHROW(loss.backward());
+  CHECK(dicts_equal(everywhere(units.back()), before));
+  units.front().unshard();
+  if (world_size() > 1) {  // one rank holds nothing sharded: unshard() gathers nothing
+    CHECK_THROWS_WITH(fsdp::load_full_state_dict(units.back(), other),
+                      Contains("is unsharded") && Contains("reshard()"));
+  }
+  units.front().reshard();
+  fsdp::load_full_state_dict(units.back(), other);
+  CHECK(dicts_equal(everywhere(units.back()), other));
 }

@@ -497,10 +497,9 @@ FSDP_RANKS_TEST_CASE("entering inside a forward, or before the backward of a for
                             Contains("expected to be entered outside forward and backward"));
     CHECK(close(out, at::linear(x, w, b)));
     model->probe = nullptr;
-    if (offload || world_size() > 1) {
-      CHECK_THROWS_WITH(fsdp::SummonFullParams(unit),
-                        Contains("unit '<root>' is after a forward whose backward has not run yet"));
-    }
+    // One rule on every world size, one rank (a passthrough tree) included.
+    CHECK_THROWS_WITH(fsdp::SummonFullParams(unit),
+                      Contains("unit '<root>' is after a forward whose backward has not run yet"));
     out.sum().backward();
     // The gradient is the reference's (the refused scopes changed nothing).
     fsdp::SummonFullParams full(unit, fsdp::SummonFullParamsOptions().with_grads(true));
@@ -508,6 +507,121 @@ FSDP_RANKS_TEST_CASE("entering inside a forward, or before the backward of a for
     for (int q = 0; q < world_size(); ++q) expected += at::ones({4, 1}) * batch(0, q, 4, 10).sum(0, true);
     CHECK(close(model->fc->weight.grad(), expected / world_size()));
     CHECK(model->fc->weight.equal(w));
+  }
+}
+
+FSDP_RANKS_TEST_CASE("after a forward whose graph was dropped, or a backward that retained it, the scope is entered", "[summon]") {
+  // As after a forward under NoGradGuard: no backward can run through a dropped graph, so its
+  // iteration ends (units resharded) when the scope is entered, on every world size.
+  for (bool offload : {false, true}) {
+    INFO("offload " << offload);
+    Pair p = make_pair(62, options().offload_to_cpu(offload));
+    const Snapshot before = snapshot(*p.model);
+    { p.model(batch(0, rank(), 6, 9)).pow(2).sum(); }  // the loss is dropped: its graph is freed
+    {
+      fsdp::SummonFullParams full(p.root());
+      for (const auto& item : p.reference->named_parameters()) {
+        INFO(item.key());
+        CHECK(p.model->named_parameters()[item.key()].equal(item.value()));
+      }
+    }
+    check_restored(*p.model, before);
+    // A loss kept alive still blocks it; its backward (even retaining the graph) releases it.
+    at::Tensor loss = p.model(batch(0, rank(), 6, 9)).pow(2).sum();
+    CHECK_THROWS_WITH(fsdp::SummonFullParams(p.root()),
+                      Contains("unit '<root>' is after a forward whose backward has not run yet"));
+    loss.backward(/*gradient=*/{}, /*retain_graph=*/true);
+    { fsdp::SummonFullParams full(p.root(), fsdp::SummonFullParamsOptions().writeback(false)); }
+    loss = at::Tensor();
+    // Training goes on in parity with the reference.
+    p.model->zero_grad();
+    backward_sharded(p.model, 1);
+    backward_reference(p.reference, 1);
+    fsdp::SummonFullParams grads(p.root(), fsdp::SummonFullParamsOptions().with_grads(true).writeback(false));
+    const auto ref = p.reference->named_parameters();
+    for (const auto& item : p.model->named_parameters()) {
+      INFO(item.key());
+      CHECK(close(item.value().grad(), ref[item.key()].grad()));
+    }
+  }
+}
+
+FSDP_RANKS_TEST_CASE("a throw or a wrong-shape edit on one rank writes back nothing anywhere and is named on every rank", "[summon]") {
+  // Leaving decides writeback (and the all-gathers that re-unshard units kept unsharded) from
+  // what every rank reports, so no rank issues a collective the others skip.
+  const int last = world_size() - 1;
+  for (bool kept_unsharded : {false, true}) {
+    INFO("kept unsharded " << kept_unsharded);
+    Pair p = make_pair(63, options());
+    if (kept_unsharded) {
+      p.root().set_requires_gradient_sync(false);
+      p.root().set_reshard_after_backward(false);
+      backward_sharded(p.model, 0);
+    } else {
+      torch::NoGradGuard no_grad;
+      p.model(batch(0, 0, 6, 9));
+    }
+    std::vector<bool> was_unsharded;
+    for (const auto& u : p.units) {
+      for (const auto& h : u.handles()) was_unsharded.push_back(h->is_unsharded());
+    }
+    const Snapshot shapes = snapshot(*p.model);
+    const auto before = fsdp::full_state_dict(p.root(), fsdp::FullStateDictOptions().rank0_only(false));
+    // Sharded values are unchanged. Without sharding (one rank) the full parameters are the
+    // replicas themselves, so the in-place edit of head.bias (`edit`) stays there.
+    auto check_unchanged = [&](float edit) {
+      check_restored(*p.model, shapes);
+      size_t k = 0;
+      for (const auto& u : p.units) {
+        for (const auto& h : u.handles()) CHECK(h->is_unsharded() == was_unsharded[k++]);
+      }
+      const auto after = fsdp::full_state_dict(p.root(), fsdp::FullStateDictOptions().rank0_only(false));
+      for (const auto& item : before) {
+        INFO(item.key());
+        if (item.key() == "head.bias" && world_size() == 1) {
+          CHECK(at::equal(after[item.key()], at::full({3}, edit)));
+        } else {
+          CHECK(at::equal(item.value(), after[item.key()]));
+        }
+      }
+    };
+
+    // The last rank throws inside the scope; the others leave it normally (exit() throws there).
+    std::string error, thrown;
+    try {
+      fsdp::SummonFullParams full(p.root());
+      torch::NoGradGuard no_grad;
+      p.model->head->bias.fill_(7.0);
+      if (rank() == last) throw std::runtime_error("a user error on the last rank");
+      full.exit();
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    } catch (const std::runtime_error& e) {
+      thrown = e.what();
+    }
+    if (rank() == last) {
+      CHECK(thrown == "a user error on the last rank");
+    } else {
+      CHECK_THAT(error, Contains("fsdp::SummonFullParams: leaving the scope of unit '<root>': nothing was "
+                                 "written back on any rank") &&
+                            Contains("rank " + std::to_string(last) + ": left the scope by an exception"));
+    }
+    check_unchanged(7.0f);
+
+    // A full parameter replaced by another shape on the last rank only: the same error everywhere.
+    std::string message;
+    {
+      fsdp::SummonFullParams full(p.root());
+      torch::NoGradGuard no_grad;
+      p.model->head->bias.fill_(3.0);
+      if (rank() == last) p.model->head->bias.set_data(at::zeros({5}));
+      message = fsdp::testing::error_of([&] { full.exit(); });
+    }
+    CHECK_THAT(message, Contains("nothing was written back on any rank") &&
+                            Contains("rank " + std::to_string(last) + ": parameter 'head.bias' of unit '<root>' was "
+                                     "replaced inside the scope by a tensor of shape [5]; expected its full shape [3]"));
+    CHECK(fsdp::testing::same_on_every_rank(message));
+    check_unchanged(3.0f);
   }
 }
 
