@@ -74,6 +74,16 @@ bool close(const at::Tensor& a, const at::Tensor& b) {
   return a.sizes() == b.sizes() && at::allclose(a, b, 1e-5, 1e-6);
 }
 
+// Inside a with_grads scope, every full gradient equals the reference's.
+void check_full_grads_match_reference(Pair& p) {
+  fsdp::SummonFullParams grads(p.root(), fsdp::SummonFullParamsOptions().with_grads(true).writeback(false));
+  const auto ref = p.reference->named_parameters();
+  for (const auto& item : p.model->named_parameters()) {
+    INFO(item.key());
+    CHECK(close(item.value().grad(), ref[item.key()].grad()));
+  }
+}
+
 // What a parameter and its gradient look like (to check the scope restores them exactly).
 struct Snapshot {
   std::vector<const void*> data, grad;
@@ -537,12 +547,7 @@ FSDP_RANKS_TEST_CASE("after a forward whose graph was dropped, or a backward tha
     p.model->zero_grad();
     backward_sharded(p.model, 1);
     backward_reference(p.reference, 1);
-    fsdp::SummonFullParams grads(p.root(), fsdp::SummonFullParamsOptions().with_grads(true).writeback(false));
-    const auto ref = p.reference->named_parameters();
-    for (const auto& item : p.model->named_parameters()) {
-      INFO(item.key());
-      CHECK(close(item.value().grad(), ref[item.key()].grad()));
-    }
+    check_full_grads_match_reference(p);
   }
 }
 
@@ -650,12 +655,7 @@ FSDP_RANKS_TEST_CASE("a forward inside the scope is refused before it runs", "[s
     p.model->zero_grad();
     backward_sharded(p.model, 1);
     backward_reference(p.reference, 1);
-    fsdp::SummonFullParams grads(p.root(), fsdp::SummonFullParamsOptions().with_grads(true).writeback(false));
-    const auto ref = p.reference->named_parameters();
-    for (const auto& item : p.model->named_parameters()) {
-      INFO(item.key());
-      CHECK(close(item.value().grad(), ref[item.key()].grad()));
-    }
+    check_full_grads_match_reference(p);
   }
 }
 
