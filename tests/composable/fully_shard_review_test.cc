@@ -197,7 +197,6 @@ FSDP_RANKS_TEST_CASE("an auxiliary head used by the loss on some ranks only: the
 
 FSDP_RANKS_TEST_CASE("a tied parameter moves alike when ranks differ in which parameters hold gradients",
                      "[review][tied]") {
-  const int W = world_size();
   constexpr int64_t kIn = 6, kHidden = 10;
   torch::manual_seed(5);
   auto model = fsdp::testing::TiedSiblings(kIn, kHidden);
