@@ -3,7 +3,10 @@
 #   tools/sanitize.sh            ASan+UBSan on the unit tests, then TSan on the threaded tests
 #   tools/sanitize.sh asan       only ASan+UBSan          tools/sanitize.sh tsan   only TSan
 #   tools/sanitize.sh asan //tests/comm:mpi_backend_test  (a narrower target set)
-# Environment: FSDP_BAZEL_STARTUP  Bazel startup options, e.g. "--output_base=$HOME/.cache/bazel_san"
+# Environment: FSDP_SANITIZE_RESULTS FILE  one line per test target appended ("<label> <target> passed|failed");
+#              FSDP_SANITIZE_FAILURES FILE for each failed target, its failed assertions, hangs and
+#              sanitizer reports and the end of its log (CI prints it);
+#              FSDP_BAZEL_STARTUP  Bazel startup options, e.g. "--output_base=$HOME/.cache/bazel_san"
 #              (a server of its own, so a long sanitizer build never blocks the usual one);
 #              FSDP_SANITIZE_FLAGS extra `bazel test` options (e.g. "--jobs=1");
 #              FSDP_DISK_CACHE     the disk cache (default ~/.cache/fsdp_cpp/disk_cache, as
@@ -117,6 +120,21 @@ run_config() {
       fi
     fi
     [ -n "${FSDP_SANITIZE_RESULTS:-}" ] && echo "$label $target $result" >> "$FSDP_SANITIZE_RESULTS"
+    if [ "$result" = failed ] && [ -n "${FSDP_SANITIZE_FAILURES:-}" ]; then
+      # What a reader of CI's output needs to see why: the failed assertions, hangs and sanitizer
+      # reports of every rank, then the log's end.
+      {
+        echo "--- $label $target failed; its log: $dir/test.log"
+        if [ -f "$dir/test.log" ]; then
+          grep -E "$report_pattern|FAILED in|HUNG|did not complete|TIMEOUT|Segmentation|Aborted|terminate called" \
+            "$dir/test.log" | head -n 40
+          echo "--- the last 30 lines:"
+          tail -n 30 "$dir/test.log"
+        else
+          echo "(no test log: the build of the target failed)"
+        fi
+      } >> "$FSDP_SANITIZE_FAILURES"
+    fi
   done < <(bazel "${startup[@]}" query --noshow_progress "tests($(query_of "$@"))" 2>/dev/null)
   local counts
   counts="$(python3 tools/summarize_tests.py "$picked" "$rc" | tail -1)"
