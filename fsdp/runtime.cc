@@ -151,7 +151,7 @@ void pre_forward(FSDPState& state, contract::ForwardArgs& args) {
       }
       bool first = false;
       state.iteration().begin_call(c10::GradMode::is_enabled(), &first);
-      iteration.enter_root_forward(iteration.root_nested());  // one rank: never read
+      iteration.enter_root_forward(iteration.root_nested());  // read only where units reshard
     }
     TORCH_CHECK(iteration.in_root_forward(), "fully_shard: module ",
                 contract::ModuleStateRegistry::global().describe(state.module()),
