@@ -10,6 +10,7 @@
 
 #include "contract/module_state.h"
 #include "fsdp/fsdp_state.h"
+#include "fsdp/root_context.h"
 #include "fsdp/tied_parameters.h"
 #include "tests/fsdp/engine_units.h"
 #include "tests/testing/thread_backend.h"
@@ -92,4 +93,40 @@ TEST_CASE("a tied parameter stays with its unit until a unit containing every us
           "'emb', which already ran forward. Apply fully_shard to every module, the one containing "
           "all modules that use a shared parameter last, before the first forward.");
   }
+}
+
+TEST_CASE("lazy initialisation refuses a parameter shared with a unit outside the root's tree",
+          "[fsdp][tied]") {
+  std::string error;
+  bool context_reset = false;
+  fsdp::testing::run_ranks_as_threads(1, [&](fsdp::comm::Communicator& comm) {
+    auto& registry = fsdp::contract::ModuleStateRegistry::global();
+    // fully_shard on the embedding and on the head, not on a module containing both: the head's
+    // unit left the weight with the embedding's.
+    auto model = std::make_shared<Model>();
+    auto emb_unit = fsdp::testing::make_unit(*model->emb, "emb", fsdp::testing::borrow(comm));
+    auto head_unit = std::make_shared<fsdp::FSDPState>(std::vector<torch::nn::Module*>{model->head.get()}, "head",
+                                                       emb_unit->config(),
+                                                       std::vector<std::unique_ptr<fsdp::FlatParamHandle>>{});
+    registry.insert(*model->emb, fsdp::kFullyShardApi, emb_unit);
+    registry.insert(*model->head, fsdp::kFullyShardApi, head_unit);
+    // The embedding's first forward: it is the root of its tree.
+    auto context = std::make_shared<fsdp::RootContext>(*emb_unit, std::vector<fsdp::FSDPState*>{emb_unit.get()},
+                                                       fsdp::UnitAncestors{});
+    emb_unit->set_root_context(context);
+    try {
+      fsdp::place_tied_parameters(*context, {{emb_unit.get(), {""}}});
+    } catch (const c10::Error& e) {
+      error = e.msg();
+    }
+    context_reset = emb_unit->root_context() == nullptr;  // the next forward initialises again
+    registry.erase(*model->emb, fsdp::kFullyShardApi);
+    registry.erase(*model->head, fsdp::kFullyShardApi);
+  });
+  using Catch::Matchers::Contains;
+  CHECK_THAT(error, Contains("fully_shard: parameter 'weight' of unit "));
+  CHECK_THAT(error, Contains("is also registered, as 'weight', by unit "));
+  CHECK_THAT(error, Contains("outside that tree: no unit contains every module using the parameter"));
+  CHECK_THAT(error, Contains("Apply fully_shard to a module that contains both"));
+  CHECK(context_reset);
 }
