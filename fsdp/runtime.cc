@@ -2,7 +2,6 @@
 #include "comm/issuing_api.h"
 
 #include <ATen/record_function.h>
-#include <algorithm>
 #include <sstream>
 
 #include <c10/core/GradMode.h>
