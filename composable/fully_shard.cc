@@ -428,7 +428,7 @@ FSDPModule fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
 }
 
 void FSDPModule::set_requires_gradient_sync(bool sync, bool recurse) {
-  for_each_unit(recurse, [sync](FSDPState& unit) { unit.requires_gradient_sync = sync; });
+  for_each_unit(recurse, [sync](FSDPState& unit) { unit.set_requires_gradient_sync(sync); });
 }
 
 namespace {
@@ -440,15 +440,15 @@ std::vector<FSDPState*> states_of(const std::vector<FSDPModule>& units) {
 }  // namespace
 
 void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& units) {
-  state_->forward_prefetch_targets = states_of(units);
+  state_->set_forward_prefetch_targets(states_of(units));
 }
 
 void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>& units) {
-  state_->backward_prefetch_targets = states_of(units);
+  state_->set_backward_prefetch_targets(states_of(units));
 }
 
 void FSDPModule::set_reshard_after_backward(bool reshard, bool recurse) {
-  for_each_unit(recurse, [reshard](FSDPState& unit) { unit.reshard_after_backward = reshard; });
+  for_each_unit(recurse, [reshard](FSDPState& unit) { unit.set_reshard_after_backward(reshard); });
 }
 
 void FSDPModule::for_each_unit(bool recurse, const std::function<void(FSDPState&)>& fn) const {

@@ -188,13 +188,13 @@ std::string parameters_in_use(const FSDPModule& root) {
     const RootContext* context = unit->root_context();
     if (context == nullptr) continue;
     bool graph_alive = false;
-    for (const FSDPState* u : context->states) graph_alive |= u->iteration.may_get_gradients();
+    for (const FSDPState* u : context->states()) graph_alive |= u->iteration().may_get_gradients();
     const char* phase = nullptr;
-    if (context->in_root_forward) {
+    if (context->iteration_state().in_root_forward()) {
       phase = "a forward of its root is running";
-    } else if (context->phase == IterationPhase::kBackward) {
+    } else if (context->iteration_state().phase() == IterationPhase::kBackward) {
       phase = "a backward is running";
-    } else if (context->phase == IterationPhase::kForward && graph_alive) {
+    } else if (context->iteration_state().phase() == IterationPhase::kForward && graph_alive) {
       phase = "a forward ran and its backward has not";
     }
     if (phase != nullptr) {
@@ -205,7 +205,7 @@ std::string parameters_in_use(const FSDPModule& root) {
     }
   }
   for (FSDPState* unit : units) {
-    if (unit->full_params_summoned) {
+    if (unit->full_params_summoned()) {
       return "a SummonFullParams scope holds the full parameters of unit " + registry.describe(unit->module()) +
              " (its writeback would overwrite the values loaded); leave the scope first";
     }

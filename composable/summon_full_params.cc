@@ -22,8 +22,8 @@ namespace {
 constexpr const char* kApi = "fsdp::SummonFullParams";
 
 const char* describe_phase(const RootContext& context) {
-  if (context.in_root_forward) return "inside a forward";
-  switch (context.phase) {
+  if (context.iteration_state().in_root_forward()) return "inside a forward";
+  switch (context.iteration_state().phase()) {
     case IterationPhase::kIdle: return "idle";
     case IterationPhase::kForward: return "after a forward whose backward has not run yet";
     case IterationPhase::kBackward: return "inside a backward";
@@ -95,7 +95,8 @@ SummonFullParams::SummonFullParams(const FSDPModule& unit, SummonFullParamsOptio
       // forward saw, and reduce into shards the scope is editing); a forward whose graph was
       // dropped ends its iteration here, as a forward under NoGradGuard does at once.
       const bool backward_pending = runtime::settle_forward_phase(*context);
-      TORCH_CHECK(!context->in_root_forward && context->phase != IterationPhase::kBackward && !backward_pending,
+      TORCH_CHECK(!context->iteration_state().in_root_forward() &&
+                      context->iteration_state().phase() != IterationPhase::kBackward && !backward_pending,
                   kApi, ": unit '", state->fqn(), "' is ", describe_phase(*context),
                   "; expected to be entered outside forward and backward. Summon the full "
                   "parameters before the forward or after its backward (a forward under "
@@ -104,7 +105,7 @@ SummonFullParams::SummonFullParams(const FSDPModule& unit, SummonFullParamsOptio
     TORCH_CHECK(state->training_state() == TrainingState::kIdle, kApi, ": unit '", state->fqn(),
                 "' is in training state '", to_string(state->training_state()),
                 "'; expected 'idle' (outside forward and backward)");
-    TORCH_CHECK(!state->full_params_summoned, kApi, ": unit '", state->fqn(),
+    TORCH_CHECK(!state->full_params_summoned(), kApi, ": unit '", state->fqn(),
                 "' already has its full parameters summoned by an enclosing scope; expected a "
                 "unit that is not summoned (nesting scopes on the same unit is not supported: "
                 "leave the outer scope first, or use its full parameters)");
@@ -192,7 +193,7 @@ SummonFullParams::SummonFullParams(const FSDPModule& unit, SummonFullParamsOptio
         if (entry.full_grad.defined()) param.mutable_grad() = storage_slice(entry.full_grad, e.offset, e.shape);
       }
     }
-    u.state->full_params_summoned = true;
+    u.state->set_full_params_summoned(true);
   }
 }
 
@@ -294,7 +295,7 @@ void SummonFullParams::leave(bool by_exception) {
       entry.full = at::Tensor();
       entry.full_grad = at::Tensor();
     }
-    u.state->full_params_summoned = false;
+    u.state->set_full_params_summoned(false);
   }
   // A FlatParameter that was unsharded before the scope gets its unsharded views again, from the
   // shards just written (collective, in the same order on every rank). Without writing, its

@@ -31,12 +31,6 @@ bool has_trainable_handle(const FSDPState& unit) {
   return false;
 }
 
-// Whether the unit's parameters stay unsharded after its backward: gradient accumulation with
-// set_reshard_after_backward(false).
-bool keeps_unsharded_after_backward(const FSDPState& unit) {
-  return !unit.reshard_after_backward && !unit.requires_gradient_sync;
-}
-
 void finalize(FSDPState& unit) {
   for (const auto& handle : unit.handles()) handle->finalize_gradients();
 }
@@ -44,17 +38,18 @@ void finalize(FSDPState& unit) {
 void reduce_unit(RootContext& context, FSDPState& unit) {
   // Checked iterations ([Note: divergence check]): a rank with gradient sync off, other sizes, or
   // in another unit's reduction is named before the reduce-scatter.
-  if (context.check_divergence) {
+  if (context.divergence().enabled()) {
     Fingerprint f("reduces the gradients of '" + unit.fqn() + "'");
-    add_reduction_fields(f, unit.handles(), unit.requires_gradient_sync);
+    add_reduction_fields(f, unit.handles(), unit.requires_gradient_sync());
     context.check_ranks_agree(std::move(f));
   }
-  for (const auto& handle : unit.handles()) handle->reduce_gradients(unit.requires_gradient_sync);
+  for (const auto& handle : unit.handles()) handle->reduce_gradients(unit.requires_gradient_sync());
   // The previous unit's reduction has had this unit's reduction to overlap with: finish it and
   // free its buffers.
-  if (context.awaiting_finalize != nullptr) finalize(*context.awaiting_finalize);
-  context.awaiting_finalize = unit.requires_gradient_sync ? &unit : nullptr;
-  unit.iteration.set_reduced();
+  BackwardReductionQueue& reductions = context.reductions();
+  if (reductions.awaiting_finalize() != nullptr) finalize(*reductions.awaiting_finalize());
+  reductions.set_awaiting_finalize(unit.requires_gradient_sync() ? &unit : nullptr);
+  unit.iteration().set_reduced();
 }
 
 // Whether autograd runs `node` in the backward pass now running: it is in the pass's graph and,
@@ -62,7 +57,7 @@ void reduce_unit(RootContext& context, FSDPState& unit) {
 // them (as torch.autograd.graph's _will_engine_execute_node decides). Asked only while the graph
 // task that began the pass runs; anything else is assumed to run.
 bool runs_in_current_pass(const RootContext& context, torch::autograd::Node* node) {
-  if (torch::autograd::get_current_graph_task_id() != context.backward_graph_task) return true;
+  if (torch::autograd::get_current_graph_task_id() != context.reductions().graph_task()) return true;
   const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
   if (nodes == nullptr) return true;
   if (nodes->count(node) == 0) return false;
@@ -78,78 +73,65 @@ bool runs_in_current_pass(const RootContext& context, torch::autograd::Node* nod
 // the order or whether the reduction is issued, so ranks where the unit is reached and ranks where
 // it is not still issue the same collectives in the same order.
 bool ready_for_reduction(const RootContext& context, const FSDPState& unit) {
-  if (unit.iteration.backward_complete()) return true;
-  return unit.iteration.backward_complete(
+  if (unit.iteration().backward_complete()) return true;
+  return unit.iteration().backward_complete(
       [&](torch::autograd::Node* node) { return runs_in_current_pass(context, node); });
 }
 
+// What a unit's turn in the reduction order does (BackwardReductionQueue::advance's steps).
+struct ReductionSteps {
+  RootContext& context;
+
+  BackwardReductionQueue::Turn turn(FSDPState& unit) const {
+    using Turn = BackwardReductionQueue::Turn;
+    if (!unit.iteration().may_get_gradients() || !has_trainable_handle(unit)) return Turn::kSkip;
+    // Its backward end cannot be seen (a call's inputs needed no gradient).
+    return unit.iteration().completes_at_end_of_backward() ? Turn::kDefer : Turn::kReduce;
+  }
+  bool ready(FSDPState& unit) const { return ready_for_reduction(context, unit); }
+  void reduce(FSDPState& unit) const { reduce_unit(context, unit); }
+  void skip(FSDPState& unit) const { unit.iteration().set_reduced(); }
+};
+
 // Reduces, in reverse forward order, every unit whose turn has come: with `final`, all of them;
 // else only while the next one is ready (its backward finished, or this pass does not reach it).
-// A unit whose backward end cannot be seen (a call's inputs needed no gradient) is deferred to the
-// end of the pass rather than hold up the units before it. Deferral depends only on the units
-// (never on when the loop reaches them), so every rank issues the same order: the others in
-// reverse forward order, then the deferred.
 void reduce_in_order(RootContext& context, bool final) {
-  const size_t n = context.forward_order.size();
-  while (context.reduced_from_back < n) {
-    FSDPState* unit = context.forward_order[n - 1 - context.reduced_from_back];
-    if (unit->iteration.may_get_gradients() && has_trainable_handle(*unit)) {
-      if (unit->iteration.completes_at_end_of_backward()) {
-        context.deferred_reductions.push_back(unit);
-        ++context.reduced_from_back;
-        continue;
-      }
-      if (!final && !ready_for_reduction(context, *unit)) break;
-      reduce_unit(context, *unit);
-    } else {
-      unit->iteration.set_reduced();
-    }
-    ++context.reduced_from_back;
-  }
-  if (!final) return;
-  for (FSDPState* unit : context.deferred_reductions) reduce_unit(context, *unit);
-  context.deferred_reductions.clear();
+  ReductionSteps steps{context};
+  context.reductions().advance(context.iteration_state().forward_order(), final, steps);
 }
 
 void end_of_backward(RootContext& context) {
   RECORD_USER_SCOPE("FSDP::post_backward_final_callback");
   comm::IssuingApi issuing_api("fully_shard end of backward");
   reduce_in_order(context, /*final=*/true);
-  context.awaiting_finalize = nullptr;
-  for (FSDPState* unit : context.forward_order) {
+  context.reductions().set_awaiting_finalize(nullptr);  // finalized below, with every unit
+  for (FSDPState* unit : context.iteration_state().forward_order()) {
     finalize(*unit);
     for (const auto& handle : unit->handles()) handle->commit_gradients();
   }
-  for (FSDPState* unit : context.states) {
-    if (!keeps_unsharded_after_backward(*unit)) context.reshard(*unit);
+  for (FSDPState* unit : context.states()) {
+    if (!unit->keeps_unsharded_after_backward()) context.scheduler().reshard(*unit);
     unit->set_training_state(TrainingState::kIdle);
   }
-  context.previous_forward_order = context.forward_order;
-  context.phase = IterationPhase::kIdle;
-  context.backward_graph_task = -1;
-  ++context.iterations;
+  context.end_backward_pass();
 }
 
 void begin_backward_pass(RootContext& context) {
-  context.phase = IterationPhase::kBackward;
-  context.backward_graph_task = torch::autograd::get_current_graph_task_id();
-  context.reduced_from_back = 0;
-  context.deferred_reductions.clear();
-  context.awaiting_finalize = nullptr;
+  context.begin_backward_pass(torch::autograd::get_current_graph_task_id());
   torch::autograd::Engine::get_default_engine().queue_callback([c = &context] { end_of_backward(*c); });
-  for (FSDPState* unit : context.forward_order) {
-    unit->iteration.begin_backward_pass();
-    if (!unit->iteration.may_get_gradients()) continue;
+  for (FSDPState* unit : context.iteration_state().forward_order()) {
+    unit->iteration().begin_backward_pass();
+    if (!unit->iteration().may_get_gradients()) continue;
     for (const auto& handle : unit->handles()) handle->prepare_gradients_for_backward();
   }
 }
 
 // Backward prefetch: the unit that ran before this one in forward runs its backward next.
 void prefetch_for_backward(RootContext& context, const FSDPState& unit) {
-  const auto* explicit_targets = unit.backward_prefetch_targets ? &*unit.backward_prefetch_targets : nullptr;
-  for (FSDPState* next : prefetch_targets(unit, explicit_targets, context.forward_order, -1)) {
-    if (!next->iteration.reduced() && next->iteration.may_get_gradients()) {
-      context.prefetch(*next, unit, explicit_targets == nullptr);
+  const auto* explicit_targets = unit.backward_prefetch_targets();
+  for (FSDPState* next : prefetch_targets(unit, explicit_targets, context.iteration_state().forward_order(), -1)) {
+    if (!next->iteration().reduced() && next->iteration().may_get_gradients()) {
+      context.scheduler().prefetch(*next, unit, explicit_targets == nullptr);
     }
   }
 }
@@ -160,7 +142,7 @@ void prefetch_for_backward(RootContext& context, const FSDPState& unit) {
 // inputs' post-backward (a tensor the unit computed from its input and kept, backpropagated
 // without passing the unit's outputs). Before anything changes.
 void check_current_iteration(const FSDPState& unit, const RootContext& context, int64_t tag) {
-  TORCH_CHECK(tag_generation(tag) == context.generation, "fully_shard: unit '", unit.fqn(),
+  TORCH_CHECK(tag_generation(tag) == context.iteration_state().generation(), "fully_shard: unit '", unit.fqn(),
               "' is in a backward through the graph of an earlier iteration (the root ran a new "
               "forward since); run every backward through a graph before the root's next forward");
 }
@@ -175,15 +157,15 @@ void pre_backward(FSDPState& unit, int64_t tag) {
               "differentiating through gradients, because each unit's unsharded parameters are "
               "freed after its backward. Compute the gradients without create_graph.");
   check_current_iteration(unit, context, tag);
-  if (context.phase != IterationPhase::kBackward) begin_backward_pass(context);
+  if (context.iteration_state().phase() != IterationPhase::kBackward) begin_backward_pass(context);
   // Checked iterations ([Note: divergence check]): a rank that skipped this backward, or runs
   // another forward instead, is named before the backward all-gather.
-  if (context.check_divergence) {
+  if (context.divergence().enabled()) {
     Fingerprint f("began the backward of '" + unit.fqn() + "'");
     add_all_gather_fields(f, unit.handles(), !unit.is_unsharded() && !unit.unshard_in_flight());
     context.check_ranks_agree(std::move(f));
   }
-  TORCH_CHECK(!unit.iteration.reduced() || !has_trainable_handle(unit), "fully_shard: unit '", unit.fqn(),
+  TORCH_CHECK(!unit.iteration().reduced() || !has_trainable_handle(unit), "fully_shard: unit '", unit.fqn(),
               "' is reached by backward after its gradients were reduced in this backward pass; "
               "the gradients it would get now would be lost. A unit's forward outputs must stay "
               "in the autograd graph its backward goes through.");
@@ -192,21 +174,23 @@ void pre_backward(FSDPState& unit, int64_t tag) {
   // Not under hybrid sharding: finalizing all-reduces across the replicate group, and a collective
   // issued at a point that depends on timing (whether the reduction has completed) would pair up
   // differently across ranks with the shard group's collectives and deadlock.
-  const auto& replicate = context.awaiting_finalize ? context.awaiting_finalize->config().handle.replicate : nullptr;
-  if (FSDPState* previous = replicate && replicate->size() > 1 ? nullptr : context.awaiting_finalize) {
+  BackwardReductionQueue& reductions = context.reductions();
+  FSDPState* awaiting = reductions.awaiting_finalize();
+  const auto& replicate = awaiting ? awaiting->config().handle.replicate : nullptr;
+  if (FSDPState* previous = replicate && replicate->size() > 1 ? nullptr : awaiting) {
     bool completed = true;
     for (const auto& handle : previous->handles()) completed &= handle->reduction_completed();
     if (completed) {
       finalize(*previous);
-      context.awaiting_finalize = nullptr;
+      reductions.set_awaiting_finalize(nullptr);
     }
   }
-  const bool was_reachable = unit.iteration.may_get_gradients();
-  unit.iteration.call_pre_backward(tag_call(tag));
+  const bool was_reachable = unit.iteration().may_get_gradients();
+  unit.iteration().call_pre_backward(tag_call(tag));
   if (!was_reachable) {  // its outputs' nodes looked freed, yet backward reached it
     for (const auto& handle : unit.handles()) handle->prepare_gradients_for_backward();
   }
-  context.unshard(unit);
+  context.scheduler().unshard(unit);
   for (const auto& handle : unit.handles()) handle->prepare_gradient_buffer();
   unit.set_training_state(TrainingState::kPreBackward);
   if (unit.config().backward_prefetch == BackwardPrefetch::kBackwardPre) prefetch_for_backward(context, unit);
@@ -220,17 +204,17 @@ void post_backward(void* arg, int64_t tag) {
   check_current_iteration(unit, context, tag);
   // This iteration's graph reached through a tensor the unit kept from its input, with no
   // pre-backward of any unit before it: no pass has begun, nothing of the unit's to finish.
-  if (context.phase != IterationPhase::kBackward) return;
-  unit.iteration.call_post_backward(tag_call(tag));
-  if (unit.iteration.backward_running()) return;  // another call of the unit is mid-backward
-  const bool complete = unit.iteration.backward_complete();
+  if (context.iteration_state().phase() != IterationPhase::kBackward) return;
+  unit.iteration().call_post_backward(tag_call(tag));
+  if (unit.iteration().backward_running()) return;  // another call of the unit is mid-backward
+  const bool complete = unit.iteration().backward_complete();
   // Resharded after each call (a later call's pre-backward unshards again), except when the unit
   // is meant to be unsharded once through backward (SHARD_GRAD_OP, the root, a unit of sibling
   // modules): then once complete.
   const bool keep_until_complete =
-      !unit.config().reshard_after_forward || (unit.is_root() && !context.root_nested) ||
+      !unit.config().reshard_after_forward || (unit.is_root() && !context.iteration_state().root_nested()) ||
       unit.modules().size() > 1;
-  if (!keeps_unsharded_after_backward(unit) && (complete || !keep_until_complete)) context.reshard(unit);
+  if (!unit.keeps_unsharded_after_backward() && (complete || !keep_until_complete)) context.scheduler().reshard(unit);
   if (complete) {
     unit.set_training_state(TrainingState::kPostBackward);
     reduce_in_order(context, /*final=*/false);
@@ -249,7 +233,7 @@ void route_inputs_for_post_backward(FSDPState& unit, size_t call, contract::Forw
     });
   }
   if (needs_grad.empty()) return;  // the end of this call's backward cannot be seen
-  const int64_t tag = make_tag(unit.root_context()->generation, call);
+  const int64_t tag = make_tag(unit.root_context()->iteration_state().generation(), call);
   std::vector<at::Tensor> routed = register_post_backward(needs_grad, &post_backward, &unit, tag);
   size_t next = 0;
   for (auto& arg : args) {
@@ -257,15 +241,15 @@ void route_inputs_for_post_backward(FSDPState& unit, size_t call, contract::Forw
       return t.requires_grad() ? routed[next++] : t;
     });
   }
-  unit.iteration.set_post_backward_visible(call);
+  unit.iteration().set_post_backward_visible(call);
 }
 
 std::vector<at::Tensor> hook_outputs_for_backward(FSDPState& unit, c10::IValue& output) {
   std::vector<at::Tensor> hooked;
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> nodes;
-  if (c10::GradMode::is_enabled() && unit.iteration.ran_forward()) {
-    const int64_t tag = make_tag(unit.root_context()->generation, unit.iteration.latest_call());
-    const uint64_t first_node = unit.iteration.latest_call_first_node();
+  if (c10::GradMode::is_enabled() && unit.iteration().ran_forward()) {
+    const int64_t tag = make_tag(unit.root_context()->iteration_state().generation(), unit.iteration().latest_call());
+    const uint64_t first_node = unit.iteration().latest_call_first_node();
     auto hook = [u = &unit, tag](const at::TensorBase&) { pre_backward(*u, tag); };
     auto hook_tensor = [&](const at::TensorBase& t) {
       t.register_hook(hook);
@@ -289,7 +273,7 @@ std::vector<at::Tensor> hook_outputs_for_backward(FSDPState& unit, c10::IValue& 
       }
     });
   }
-  unit.iteration.end_call(!hooked.empty(), nodes);
+  unit.iteration().end_call(!hooked.empty(), nodes);
   return hooked;
 }
 
@@ -301,35 +285,21 @@ namespace {
 // callback adds them back, and a pass that threw is undone by the next root forward (the
 // parameters get back what they held before it).
 void end_of_passthrough_backward(RootContext& context) {
-  for (auto& [param, saved] : context.passthrough_saved_grads) {
-    if (!saved.defined()) continue;
-    at::Tensor& grad = param.mutable_grad();
-    if (grad.defined()) {
-      c10::NoGradGuard no_grad;
-      grad.add_(saved);
-    } else {
-      grad = saved;
-    }
-  }
-  context.passthrough_saved_grads.clear();
-  context.phase = IterationPhase::kIdle;
-  ++context.iterations;
+  context.passthrough_saved_grads().add_back();
+  context.iteration_state().end_passthrough_iteration();
 }
 
 void passthrough_pre_backward(RootContext& context) {
-  if (context.phase == IterationPhase::kBackward) return;
-  context.phase = IterationPhase::kBackward;
+  if (context.iteration_state().phase() == IterationPhase::kBackward) return;
+  context.iteration_state().begin_backward();
   torch::autograd::Engine::get_default_engine().queue_callback(
       [c = &context] { end_of_passthrough_backward(*c); });
-  context.passthrough_saved_grads.clear();
-  for (FSDPState* unit : context.states) {
+  SetAsideGradients& saved = context.passthrough_saved_grads();
+  saved.clear();
+  for (FSDPState* unit : context.states()) {
     for (const auto& handle : unit->handles()) {
       if (!handle->requires_grad()) continue;
-      for (const auto& p : handle->params()) {
-        at::Tensor param = p.param;
-        context.passthrough_saved_grads.emplace_back(param, param.grad());
-        param.mutable_grad() = at::Tensor();
-      }
+      for (const auto& p : handle->params()) saved.set_aside(p.param);
     }
   }
 }
@@ -344,27 +314,19 @@ void hook_root_outputs_passthrough(RootContext& context, const c10::IValue& outp
 }
 
 void discard_passthrough_backward(RootContext& context) {
-  if (context.phase != IterationPhase::kBackward) return;
-  for (auto& [param, saved] : context.passthrough_saved_grads) param.mutable_grad() = saved;
-  context.passthrough_saved_grads.clear();
-  context.phase = IterationPhase::kIdle;
+  if (context.iteration_state().phase() != IterationPhase::kBackward) return;
+  context.passthrough_saved_grads().restore();
+  context.iteration_state().return_to_idle();
 }
 
 void discard_iteration(RootContext& context) {
-  for (FSDPState* unit : context.states) {
+  for (FSDPState* unit : context.states()) {
     for (const auto& handle : unit->handles()) handle->discard_gradients();
-    context.reshard(*unit);  // waits for an all-gather in flight first
+    context.scheduler().reshard(*unit);  // waits for an all-gather in flight first
     unit->set_training_state(TrainingState::kIdle);
-    unit->iteration.reset();
+    unit->iteration().reset();
   }
-  context.awaiting_finalize = nullptr;
-  context.reduced_from_back = 0;
-  context.deferred_reductions.clear();
-  context.backward_graph_task = -1;
-  context.unshards_in_flight.clear();
-  context.forward_order.clear();
-  context.phase = IterationPhase::kIdle;
-  context.in_root_forward = false;
+  context.discard();
 }
 
 }  // namespace fsdp::runtime

@@ -81,7 +81,7 @@ void explain_forward_error(const FSDPState& unit, c10::Error& error) {
   }
   std::unordered_map<const void*, std::string> fqns;
   std::vector<std::string> units;
-  for (const FSDPState* other : context->states) {
+  for (const FSDPState* other : context->states()) {
     if (other == &unit || ran_forward(*context, *other) || !unit_inside(unit, *other)) continue;
     // Parameters that are not in the form the unit's forward gives them (on one rank, in full
     // precision, sharded and unsharded parameters look alike and compute correctly).

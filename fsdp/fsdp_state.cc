@@ -82,7 +82,7 @@ bool FSDPState::manages(const at::Tensor& param) const {
   return managed_.count(param.unsafeGetTensorImpl()) > 0;
 }
 
-bool FSDPState::is_root() const { return root_context_ && root_context_->root == this; }
+bool FSDPState::is_root() const { return root_context_ && root_context_->root() == this; }
 
 void FSDPState::unshard() {
   start_unshard();

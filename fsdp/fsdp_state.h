@@ -14,6 +14,7 @@
 #include "comm/communicator.h"
 #include "contract/module_state.h"
 #include "fsdp/flat_param_handle.h"
+#include "fsdp/hidden_params.h"
 #include "fsdp/unit_iteration.h"
 
 namespace torch::nn {
@@ -126,30 +127,42 @@ class FSDPState final : public contract::ApiState {
   bool is_unsharded() const;
 
   /// Explicit prefetch targets (FSDP2's set_modules_to_forward_prefetch /
-  /// set_modules_to_backward_prefetch): when set, they replace the implicit next unit.
-  std::optional<std::vector<FSDPState*>> forward_prefetch_targets;
-  std::optional<std::vector<FSDPState*>> backward_prefetch_targets;
+  /// set_modules_to_backward_prefetch): when set, they replace the implicit next unit. Null: not
+  /// set.
+  const std::vector<FSDPState*>* forward_prefetch_targets() const {
+    return forward_prefetch_targets_ ? &*forward_prefetch_targets_ : nullptr;
+  }
+  const std::vector<FSDPState*>* backward_prefetch_targets() const {
+    return backward_prefetch_targets_ ? &*backward_prefetch_targets_ : nullptr;
+  }
+  void set_forward_prefetch_targets(std::vector<FSDPState*> units) { forward_prefetch_targets_ = std::move(units); }
+  void set_backward_prefetch_targets(std::vector<FSDPState*> units) { backward_prefetch_targets_ = std::move(units); }
 
   /// Gradient accumulation: without sync, gradients accumulate unsharded and no reduce-scatter is
   /// issued; the next backward with sync reduces the sum.
-  bool requires_gradient_sync = true;
+  bool requires_gradient_sync() const { return requires_gradient_sync_; }
+  void set_requires_gradient_sync(bool sync) { requires_gradient_sync_ = sync; }
   /// Whether backward reshards the unit (false keeps it unsharded for the next forward while
-  /// accumulating without sync; a backward with sync always reshards).
-  bool reshard_after_backward = true;
+  /// accumulating without sync).
+  bool reshard_after_backward() const { return reshard_after_backward_; }
+  void set_reshard_after_backward(bool reshard) { reshard_after_backward_ = reshard; }
+  /// Whether the unit's parameters stay unsharded after its backward: only while accumulating
+  /// without sync with set_reshard_after_backward(false); a backward with sync always reshards.
+  bool keeps_unsharded_after_backward() const { return !reshard_after_backward_ && !requires_gradient_sync_; }
 
   /// Set while a SummonFullParams scope (composable/summon_full_params.h) holds this unit's full
   /// parameters, so that a nested scope on the same unit is refused.
-  bool full_params_summoned = false;
+  bool full_params_summoned() const { return full_params_summoned_; }
+  void set_full_params_summoned(bool summoned) { full_params_summoned_ = summoned; }
 
   /// This iteration's calls and backward progress (see [Note: forward calls]).
-  UnitIteration iteration;
+  UnitIteration& iteration() { return iteration_; }
+  const UnitIteration& iteration() const { return iteration_; }
 
   /// The parameters hidden behind an empty placeholder ([Note: hidden parameters] in
-  /// fsdp/sharded_use_guard.h), each with the data it held.
-  struct HiddenParam {
-    at::Tensor param, data, placeholder;
-  };
-  std::vector<HiddenParam> hidden_params;
+  /// fsdp/sharded_use_guard.h).
+  HiddenParams& hidden_params() { return hidden_params_; }
+  const HiddenParams& hidden_params() const { return hidden_params_; }
 
  private:
   std::vector<torch::nn::Module*> modules_;
@@ -162,6 +175,13 @@ class FSDPState final : public contract::ApiState {
   std::unordered_set<const void*> ignored_;  // TensorImpl* of ignored_params_
   TrainingState training_state_ = TrainingState::kIdle;
   std::shared_ptr<RootContext> root_context_;
+  std::optional<std::vector<FSDPState*>> forward_prefetch_targets_;
+  std::optional<std::vector<FSDPState*>> backward_prefetch_targets_;
+  bool requires_gradient_sync_ = true;
+  bool reshard_after_backward_ = true;
+  bool full_params_summoned_ = false;
+  UnitIteration iteration_;
+  HiddenParams hidden_params_;
 };
 
 }  // namespace fsdp

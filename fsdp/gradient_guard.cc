@@ -118,9 +118,9 @@ class FirstIterationGuard final : public contract::ApiState {
 };
 
 std::shared_ptr<FirstIterationGuard> guard_of(const RootContext& context) {
-  if (active_guards.load(std::memory_order_relaxed) == 0 || context.root == nullptr) return nullptr;
+  if (active_guards.load(std::memory_order_relaxed) == 0 || context.root() == nullptr) return nullptr;
   return contract::ModuleStateRegistry::global().get_as<FirstIterationGuard>(
-      context.root->module(), kFirstIterationGuardApi);
+      context.root()->module(), kFirstIterationGuardApi);
 }
 
 // Each later use of the unit's parameters gets its own AccumulateGrad, recording the shape used.
@@ -137,7 +137,7 @@ void forget_grad_accumulators(const FSDPState& unit) {
 
 void install_gradient_hooks(const RootContext& context, FirstIterationGuard& guard) {
   const auto params = managed_params(context);
-  for (const FSDPState* state : context.states) {
+  for (const FSDPState* state : context.states()) {
     for (const auto& handle : state->handles()) {
       if (!handle->requires_grad()) continue;
       for (size_t i = 0; i < handle->params().size(); ++i) {
@@ -153,7 +153,7 @@ void install_gradient_hooks(const RootContext& context, FirstIterationGuard& gua
 }
 
 void remove_gradient_hooks(const RootContext& context, const FirstIterationGuard& guard) {
-  for (const FSDPState* state : context.states) {
+  for (const FSDPState* state : context.states()) {
     for (const auto& handle : state->handles()) {
       for (const auto& p : handle->params()) {
         if (!p.param.requires_grad()) continue;
@@ -178,7 +178,7 @@ void guard_after_pre_forward(FSDPState& unit) {
   std::shared_ptr<FirstIterationGuard> guard = guard_of(*context);
   if (guard == nullptr) {
     // Created once, in the root's pre-forward of the first iteration.
-    if (!unit.is_root() || context->iterations != 0) return;
+    if (!unit.is_root() || context->iteration_state().iterations() != 0) return;
     auto& registry = contract::ModuleStateRegistry::global();
     if (registry.contains(unit.module(), kFirstIterationGuardApi)) return;  // finished
     guard = std::make_shared<FirstIterationGuard>();
@@ -225,7 +225,7 @@ void check_first_iteration_gradients(RootContext& context) {
   // accumulators the guarded uses created (a graph kept alive, e.g. a stored loss, keeps them
   // cached on the parameters) are forgotten: the next forward creates its own.
   remove_gradient_hooks(context, *guard);
-  for (const FSDPState* state : context.states) forget_grad_accumulators(*state);
+  for (const FSDPState* state : context.states()) forget_grad_accumulators(*state);
   guard->finish();
   const std::string found = exchange_findings(context, mine, "first-iteration gradient check");
   TORCH_CHECK(found.empty(),

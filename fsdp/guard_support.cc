@@ -11,8 +11,6 @@
 
 namespace fsdp::guard {
 
-
-
 std::string shape_string(at::IntArrayRef shape) {
   std::ostringstream out;
   out << shape;
@@ -23,7 +21,7 @@ std::string unit_name(const FSDPState& unit) { return "'" + unit.fqn() + "'"; }
 
 std::unordered_map<const void*, ManagedParam> managed_params(const RootContext& context) {
   std::unordered_map<const void*, ManagedParam> params;
-  for (const FSDPState* state : context.states) {
+  for (const FSDPState* state : context.states()) {
     for (const auto& handle : state->handles()) {
       for (size_t i = 0; i < handle->params().size(); ++i) {
         const auto& p = handle->params()[i];
@@ -34,7 +32,7 @@ std::unordered_map<const void*, ManagedParam> managed_params(const RootContext& 
     }
   }
   std::unordered_set<const void*> named;
-  for (const auto& item : context.root->module().named_parameters()) {
+  for (const auto& item : context.root()->module().named_parameters()) {
     const void* impl = item.value().unsafeGetTensorImpl();
     const auto it = params.find(impl);
     if (it != params.end() && named.insert(impl).second) {
@@ -49,8 +47,7 @@ std::unordered_map<const void*, ManagedParam> managed_params(const RootContext& 
 }
 
 bool ran_forward(const RootContext& context, const FSDPState& unit) {
-  return std::find(context.forward_order.begin(), context.forward_order.end(), &unit) !=
-         context.forward_order.end();
+  return context.iteration_state().ran_forward(unit);
 }
 
 std::string exchange_findings(const RootContext& context, const std::vector<std::string>& mine,
@@ -58,7 +55,7 @@ std::string exchange_findings(const RootContext& context, const std::vector<std:
   std::string joined;
   for (size_t i = 0; i < mine.size() && i < kMaxListed; ++i) joined += (i == 0 ? "" : "; ") + mine[i];
   if (mine.size() > kMaxListed) joined += "; and " + std::to_string(mine.size() - kMaxListed) + " more";
-  const auto all = context.comm->all_gather_bytes(std::vector<uint8_t>(joined.begin(), joined.end()), what);
+  const auto all = context.comm()->all_gather_bytes(std::vector<uint8_t>(joined.begin(), joined.end()), what);
   std::ostringstream message;
   for (size_t r = 0; r < all.size(); ++r) {
     if (all[r].empty()) continue;

@@ -48,29 +48,21 @@ void lazy_init(FSDPState& state) {
     for (const auto& item : module->named_parameters(/*recurse=*/true)) check("parameter", item.key(), item.value());
     for (const auto& item : module->named_buffers(/*recurse=*/true)) check("buffer", item.key(), item.value());
   }
-  auto context = std::make_shared<RootContext>();
-  context->root = &state;
-  context->comm = state.config().comm;
-  context->max_unsharded = std::max(1, state.config().max_unshards_in_flight);
   UnitModuleFqns unit_fqns;
+  std::vector<FSDPState*> states;
   for (const auto& unit : units_in_tree(state.module())) {
-    TORCH_CHECK(unit.state->config().comm == context->comm, "fully_shard: unit ",
+    TORCH_CHECK(unit.state->config().comm == state.config().comm, "fully_shard: unit ",
                 registry.describe(*unit.module),
                 " uses another communicator than its root; every unit of one model must use the "
                 "same one");
     auto& names = unit_fqns[unit.state.get()];
-    if (names.empty()) context->states.push_back(unit.state.get());  // siblings: one unit, several modules
+    if (names.empty()) states.push_back(unit.state.get());  // siblings: one unit, several modules
     names.push_back(unit.fqn);
   }
-  for (FSDPState* unit : context->states) {
-    unit->set_root_context(context);
-    std::string name;
-    for (const auto& n : unit_fqns[unit]) name += (name.empty() ? "" : "+") + (n.empty() ? std::string("<root>") : n);
-    unit->set_fqn(name);
-  }
-  for (FSDPState* unit : context->states) {
-    auto& above = context->ancestors[unit];
-    for (FSDPState* other : context->states) {
+  UnitAncestors ancestors;
+  for (FSDPState* unit : states) {
+    auto& above = ancestors[unit];
+    for (FSDPState* other : states) {
       if (other == unit) continue;
       bool contains = false;
       for (const auto& outer : unit_fqns[other]) {
@@ -79,11 +71,14 @@ void lazy_init(FSDPState& state) {
       if (contains) above.push_back(other);
     }
   }
-  place_tied_parameters(*context, unit_fqns);
-  context->passthrough = true;
-  for (FSDPState* unit : context->states) {
-    for (const auto& h : unit->handles()) context->passthrough &= h->passthrough();
+  auto context = std::make_shared<RootContext>(state, std::move(states), std::move(ancestors));
+  for (FSDPState* unit : context->states()) {
+    unit->set_root_context(context);
+    std::string name;
+    for (const auto& n : unit_fqns[unit]) name += (name.empty() ? "" : "+") + (n.empty() ? std::string("<root>") : n);
+    unit->set_fqn(name);
   }
+  place_tied_parameters(*context, unit_fqns);
 }
 
 }  // namespace fsdp::runtime

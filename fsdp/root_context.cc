@@ -5,89 +5,49 @@
 #include "fsdp/fsdp_state.h"
 
 namespace fsdp {
+namespace {
 
-bool RootContext::counted(const FSDPState& unit, const FSDPState& running) const {
-  if (&unit == root || &unit == &running || !unit.config().reshard_after_forward) return false;
-  const auto it = ancestors.find(&running);
-  if (it != ancestors.end() && std::find(it->second.begin(), it->second.end(), &unit) != it->second.end()) {
-    return false;
+bool all_passthrough(const std::vector<FSDPState*>& states) {
+  bool passthrough = true;
+  for (const FSDPState* unit : states) {
+    for (const auto& h : unit->handles()) passthrough &= h->passthrough();
   }
-  bool gathers = false;  // a unit with nothing to all-gather holds no unsharded memory
-  for (const auto& h : unit.handles()) gathers |= h->is_sharded_strategy();
-  return gathers && (unit.unshard_in_flight() || unit.is_unsharded());
+  return passthrough;
 }
 
-int RootContext::unsharded_count(const FSDPState& running) const {
-  int count = 0;
-  for (const FSDPState* unit : unsharded_units) count += counted(*unit, running) ? 1 : 0;
-  return count;
+}  // namespace
+
+RootContext::RootContext(FSDPState& root, std::vector<FSDPState*> states, UnitAncestors ancestors)
+    : root_(&root), states_(std::move(states)), comm_(root.config().comm),
+      passthrough_(all_passthrough(states_)),
+      scheduler_(&root, std::move(ancestors), root.config().max_unshards_in_flight),
+      divergence_(comm_) {}
+
+void RootContext::begin_iteration() {
+  iteration_.begin_iteration();
+  reductions_.begin_iteration();
+  for (FSDPState* unit : states_) unit->iteration().reset();
+  divergence_.begin_iteration(iteration_.iterations());
 }
 
-void RootContext::note_unsharded_unit(FSDPState& unit) {
-  if (std::find(unsharded_units.begin(), unsharded_units.end(), &unit) == unsharded_units.end()) {
-    unsharded_units.push_back(&unit);
-  }
+void RootContext::begin_backward_pass(int graph_task) {
+  iteration_.begin_backward();
+  reductions_.begin_pass(graph_task);
 }
 
-void RootContext::note_unsharded(const FSDPState& running) {
-  // The running unit itself counts when its strategy reshards it.
-  int count = unsharded_count(running);
-  if (&running != root && running.config().reshard_after_forward) {
-    for (const auto& h : running.handles()) {
-      if (h->is_sharded_strategy()) {
-        ++count;
-        break;
-      }
-    }
-  }
-  peak_unsharded_ = std::max(peak_unsharded_, count);
+void RootContext::end_backward_pass() {
+  reductions_.end_pass();
+  iteration_.end_iteration();
 }
 
-void RootContext::forget_in_flight(FSDPState& unit) {
-  unshards_in_flight.erase(std::remove(unshards_in_flight.begin(), unshards_in_flight.end(), &unit),
-                           unshards_in_flight.end());
-}
-
-void RootContext::unshard(FSDPState& unit) {
-  unit.unshard();
-  forget_in_flight(unit);
-  note_unsharded_unit(unit);
-  note_unsharded(unit);
-}
-
-void RootContext::start_unshard(FSDPState& unit) {
-  if (unit.is_unsharded() || unit.unshard_in_flight()) return;
-  while (static_cast<int>(unshards_in_flight.size()) >= max_unsharded) {
-    FSDPState* oldest = unshards_in_flight.front();
-    oldest->unshard();
-    forget_in_flight(*oldest);
-  }
-  unit.start_unshard();
-  if (unit.unshard_in_flight()) unshards_in_flight.push_back(&unit);
-  note_unsharded_unit(unit);
-}
-
-void RootContext::prefetch(FSDPState& unit, const FSDPState& running, bool bounded) {
-  if (unit.is_unsharded() || unit.unshard_in_flight()) return;
-  const bool running_counts = &running != root && running.config().reshard_after_forward;
-  if (bounded && unit.config().reshard_after_forward &&
-      unsharded_count(running) + (running_counts ? 1 : 0) >= max_unsharded) {
-    return;
-  }
-  start_unshard(unit);
-  note_unsharded(running);
-}
-
-void RootContext::reshard(FSDPState& unit) {
-  unit.reshard();  // waits for an all-gather in flight first
-  forget_in_flight(unit);
-  unsharded_units.erase(std::remove(unsharded_units.begin(), unsharded_units.end(), &unit),
-                        unsharded_units.end());
+void RootContext::discard() {
+  reductions_.discard();
+  scheduler_.forget_in_flight();
+  iteration_.discard();
 }
 
 void RootContext::check_ranks_agree(Fingerprint fingerprint) {
-  if (!check_divergence || comm == nullptr || comm->size() == 1) return;
-  fsdp::check_ranks_agree(*comm, std::move(fingerprint), iterations);
+  divergence_.check(std::move(fingerprint), iteration_.iterations());
 }
 
 std::vector<FSDPState*> prefetch_targets(const FSDPState& unit,

@@ -2,7 +2,6 @@
 #include "comm/issuing_api.h"
 
 #include <ATen/record_function.h>
-#include <algorithm>
 #include <sstream>
 
 #include <c10/core/GradMode.h>
@@ -21,51 +20,38 @@
 namespace fsdp::runtime {
 namespace {
 
-void start_iteration(RootContext& context) {
-  ++context.generation;
-  context.forward_order.clear();
-  context.reduced_from_back = 0;
-  context.deferred_reductions.clear();
-  context.awaiting_finalize = nullptr;
-  for (FSDPState* unit : context.states) unit->iteration.reset();
-  context.check_divergence = context.iterations == 0 || divergence_debug_enabled();
-}
-
 bool any_unit_may_get_gradients(const RootContext& context) {
-  for (const FSDPState* unit : context.states) {
-    if (unit->iteration.may_get_gradients()) return true;
+  for (const FSDPState* unit : context.states()) {
+    if (unit->iteration().may_get_gradients()) return true;
   }
   return false;
 }
 
 // Ends an iteration in which no backward can run: every unit resharded and idle.
 void end_iteration_without_backward(RootContext& context) {
-  for (FSDPState* unit : context.states) {
-    context.reshard(*unit);
+  for (FSDPState* unit : context.states()) {
+    context.scheduler().reshard(*unit);
     unit->set_training_state(TrainingState::kIdle);
     for (const auto& handle : unit->handles()) handle->end_iteration();  // [Note: streams]
   }
-  context.previous_forward_order = context.forward_order;
-  context.phase = IterationPhase::kIdle;
-  ++context.iterations;
+  context.iteration_state().end_iteration();
 }
 
 void root_pre_forward(RootContext& context) {
   RECORD_USER_SCOPE("FSDP::root_pre_forward");
   comm::IssuingApi issuing_api("fully_shard root pre-forward");
   // The previous forward or backward threw: start clean (every rank threw at the same point).
-  if (context.in_root_forward || context.phase == IterationPhase::kBackward) discard_iteration(context);
+  IterationState& iteration = context.iteration_state();
+  if (iteration.in_root_forward() || iteration.phase() == IterationPhase::kBackward) discard_iteration(context);
   // Several forwards before one backward continue the iteration while an earlier forward's graph
   // can still be backpropagated through; otherwise a new iteration starts.
-  if (context.phase != IterationPhase::kForward || !any_unit_may_get_gradients(context)) {
-    start_iteration(context);
+  if (iteration.phase() != IterationPhase::kForward || !any_unit_may_get_gradients(context)) {
+    context.begin_iteration();
   }
-  context.phase = IterationPhase::kForward;
-  context.in_root_forward = true;
-  context.root_nested = contract::hooked_forward_depth() > 1;  // this call counts one
+  iteration.enter_root_forward(/*nested=*/contract::hooked_forward_depth() > 1);  // this call counts one
   // [Note: streams] The optimizer step (or a state-dict load) wrote the shards on the compute
   // stream: the first all-gather waits for it, the later ones in this iteration need not.
-  for (FSDPState* unit : context.states) {
+  for (FSDPState* unit : context.states()) {
     for (const auto& handle : unit->handles()) handle->begin_iteration();
   }
 }
@@ -84,8 +70,8 @@ void check_before_forward(RootContext& context, const FSDPState& state, size_t c
 // them under the scope (and its writeback would then copy stale values): refused before anything
 // runs, naming the unit.
 void check_no_summoned_unit(const RootContext& context) {
-  for (const FSDPState* unit : context.states) {
-    TORCH_CHECK(!unit->full_params_summoned, "fully_shard: forward of the root ran while a "
+  for (const FSDPState* unit : context.states()) {
+    TORCH_CHECK(!unit->full_params_summoned(), "fully_shard: forward of the root ran while a "
                 "SummonFullParams scope holds the full parameters of unit ",
                 contract::ModuleStateRegistry::global().describe(unit->module()),
                 "; leave the scope (or call its exit()) before running the model");
@@ -122,16 +108,16 @@ void end_passthrough_root_call(FSDPState& root, const c10::IValue& output) {
       if (t.is_view() && t._base().grad_fn()) nodes.push_back(t._base().grad_fn());
     });
   }
-  root.iteration.end_call(need_grad, nodes);
+  root.iteration().end_call(need_grad, nodes);
   RootContext& context = *root.root_context();
-  if (!any_unit_may_get_gradients(context)) context.phase = IterationPhase::kIdle;
+  if (!any_unit_may_get_gradients(context)) context.iteration_state().return_to_idle();
 }
 
 // [Note: hidden parameters] in fsdp/sharded_use_guard.h: in the root's pre-forward, after the
 // root itself is unsharded.
 void hide_other_units(RootContext& context) {
-  for (FSDPState* unit : context.states) {
-    if (unit != context.root) hide_params(*unit);
+  for (FSDPState* unit : context.states()) {
+    if (unit != context.root()) hide_params(*unit);
   }
 }
 
@@ -149,55 +135,54 @@ void pre_forward(FSDPState& state, contract::ForwardArgs& args) {
   const bool hide = hides_params_outside_forward(context);
   if (state.is_root()) {
     show_all_params(context);
-  } else if (!state.hidden_params.empty()) {
+  } else if (!state.hidden_params().empty()) {
     show_params(state);
   }
-  if (context.passthrough) {  // one rank: nothing to gather, route or hook
+  IterationState& iteration = context.iteration_state();
+  if (context.passthrough()) {  // one rank: nothing to gather, route or hook
     if (state.is_root()) {
       discard_passthrough_backward(context);  // the last backward threw
       // [Note: iteration phases] on one rank too, so that what may run between a forward and its
       // backward (SummonFullParams, state-dict loads) is decided as on several ranks: the root's
       // calls say whether a backward can still run.
-      if (context.phase != IterationPhase::kForward || !state.iteration.may_get_gradients()) {
-        state.iteration.reset();
+      if (iteration.phase() != IterationPhase::kForward || !state.iteration().may_get_gradients()) {
+        state.iteration().reset();
       }
       bool first = false;
-      state.iteration.begin_call(c10::GradMode::is_enabled(), &first);
-      context.phase = IterationPhase::kForward;
-      context.in_root_forward = true;
+      state.iteration().begin_call(c10::GradMode::is_enabled(), &first);
+      iteration.enter_root_forward(iteration.root_nested());  // read only where units reshard
     }
-    TORCH_CHECK(context.in_root_forward, "fully_shard: module ",
+    TORCH_CHECK(iteration.in_root_forward(), "fully_shard: module ",
                 contract::ModuleStateRegistry::global().describe(state.module()),
                 " ran its forward outside a forward of its root; call the root module");
     state.unshard();  // checks that parameters were not replaced (dtype, device, shape)
     if (hide) {
       // The guards' errors say whether a unit ran (forward_order; nothing else needs it here).
-      if (state.is_root()) context.forward_order.clear();
-      auto& order = context.forward_order;
-      if (std::find(order.begin(), order.end(), &state) == order.end()) order.push_back(&state);
+      iteration.record_passthrough_call(state, /*restart=*/state.is_root());
       if (state.is_root()) hide_other_units(context);
     }
     return;
   }
   if (state.is_root()) root_pre_forward(context);
-  TORCH_CHECK(context.in_root_forward, "fully_shard: module ",
+  TORCH_CHECK(iteration.in_root_forward(), "fully_shard: module ",
               contract::ModuleStateRegistry::global().describe(state.module()),
               " ran its forward outside a forward of its root; call the root module");
   bool first = false;
-  const size_t call = state.iteration.begin_call(c10::GradMode::is_enabled(), &first);
-  if (context.check_divergence) check_before_forward(context, state, call);
-  if (first) context.forward_order.push_back(&state);
-  context.start_unshard(state);
+  const size_t call = state.iteration().begin_call(c10::GradMode::is_enabled(), &first);
+  if (context.divergence().enabled()) check_before_forward(context, state, call);
+  if (first) iteration.record_first_call(state);
+  UnshardScheduler& scheduler = context.scheduler();
+  scheduler.start_unshard(state);
   // Forward prefetch: the unit that ran after this one in the previous iteration.
-  if (state.config().forward_prefetch || state.forward_prefetch_targets) {
-    const auto* explicit_targets = state.forward_prefetch_targets ? &*state.forward_prefetch_targets : nullptr;
-    for (FSDPState* next : prefetch_targets(state, explicit_targets, context.previous_forward_order, +1)) {
-      if (next->iteration.ran_forward()) continue;
-      if (!next->hidden_params.empty()) show_params(*next);  // its all-gather reads the shards
-      context.prefetch(*next, state, explicit_targets == nullptr);
+  const auto* explicit_targets = state.forward_prefetch_targets();
+  if (state.config().forward_prefetch || explicit_targets) {
+    for (FSDPState* next : prefetch_targets(state, explicit_targets, iteration.previous_forward_order(), +1)) {
+      if (next->iteration().ran_forward()) continue;
+      if (!next->hidden_params().empty()) show_params(*next);  // its all-gather reads the shards
+      scheduler.prefetch(*next, state, explicit_targets == nullptr);
     }
   }
-  context.unshard(state);
+  scheduler.unshard(state);
   if (hide && state.is_root()) hide_other_units(context);
   state.set_training_state(TrainingState::kForward);
   if (const auto dtype = state.config().cast_forward_inputs_to) {
@@ -215,14 +200,15 @@ void post_forward(FSDPState& state, c10::IValue& output) {
   comm::IssuingApi issuing_api("fully_shard post-forward of unit '" + (state.fqn().empty() ? "<root>" : state.fqn()) + "'");
   RootContext& context = *state.root_context();
   const bool hide = hides_params_outside_forward(context);
-  if (context.passthrough) {
+  IterationState& iteration = context.iteration_state();
+  if (context.passthrough()) {
     if (!state.is_root()) {
       // Hidden where several ranks would reshard it ([Note: hidden parameters]).
       if (hide && (state.config().reshard_after_forward || !state.config().handle.shard)) hide_params(state);
       return;
     }
     if (hide) show_all_params(context);
-    context.in_root_forward = false;
+    iteration.exit_root_forward();
     hook_root_outputs_passthrough(context, output);
     end_passthrough_root_call(state, output);
     if (hide) {
@@ -231,34 +217,35 @@ void post_forward(FSDPState& state, c10::IValue& output) {
         if (t.requires_grad()) outputs.push_back(t);
       });
       if (!outputs.empty()) {
-        context.checked_sharded_use = true;
+        iteration.mark_sharded_use_checked();
         check_no_sharded_use(outputs, context);
       }
     }
     return;
   }
   // Siblings: reshard after the last of the unit's modules ran.
-  const bool last_module = state.iteration.last_module_ran(state.modules().size());
-  const bool kept_after_forward = state.is_root() && !context.root_nested;
-  if (!kept_after_forward && state.config().reshard_after_forward && last_module) context.reshard(state);
+  const bool last_module = state.iteration().last_module_ran(state.modules().size());
+  const bool kept_after_forward = state.is_root() && !iteration.root_nested();
+  if (!kept_after_forward && state.config().reshard_after_forward && last_module) context.scheduler().reshard(state);
   if (hide && !state.is_root()) hide_params(state);
   const std::vector<at::Tensor> hooked = hook_outputs_for_backward(state, output);
   if (!state.is_root()) return;
   if (hide) show_all_params(context);
-  context.in_root_forward = false;
-  if (context.check_divergence) context.check_ranks_agree(Fingerprint("finished its forward"));
+  iteration.exit_root_forward();
+  if (context.divergence().enabled()) context.check_ranks_agree(Fingerprint("finished its forward"));
   if (!any_unit_may_get_gradients(context)) {
     end_iteration_without_backward(context);
     return;
   }
-  if (!context.checked_sharded_use && !hooked.empty()) {
-    context.checked_sharded_use = true;
+  if (!iteration.checked_sharded_use() && !hooked.empty()) {
+    iteration.mark_sharded_use_checked();
     check_no_sharded_use(hooked, context);
   }
 }
 
 bool settle_forward_phase(RootContext& context) {
-  if (context.phase != IterationPhase::kForward || context.in_root_forward) return false;
+  const IterationState& iteration = context.iteration_state();
+  if (iteration.phase() != IterationPhase::kForward || iteration.in_root_forward()) return false;
   if (any_unit_may_get_gradients(context)) return true;
   end_iteration_without_backward(context);
   return false;

@@ -6,7 +6,6 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/function.h>
@@ -88,34 +87,20 @@ void check_no_sharded_use(const std::vector<at::Tensor>& outputs, const RootCont
               "(make the parent one unit with the child).");
 }
 
-bool hides_params_outside_forward(const RootContext& context) { return !context.checked_sharded_use; }
+bool hides_params_outside_forward(const RootContext& context) { return !context.iteration_state().checked_sharded_use(); }
 
 void hide_params(FSDPState& unit) {
   for (const auto& handle : unit.handles()) {
     if (handle->is_unsharded()) continue;  // full views: a use outside the forward is correct
-    for (const auto& p : handle->params()) {
-      const at::Tensor& param = p.param;
-      const bool hidden = std::any_of(unit.hidden_params.begin(), unit.hidden_params.end(),
-                                      [&](const FSDPState::HiddenParam& h) { return h.param.is_same(param); });
-      if (hidden) continue;
-      at::Tensor placeholder = at::empty({0}, param.options());
-      unit.hidden_params.push_back({param, param.data(), placeholder});
-      param.set_data(placeholder);
-    }
+    for (const auto& p : handle->params()) unit.hidden_params().hide(p.param);
   }
 }
 
-void show_params(FSDPState& unit) {
-  for (auto& h : unit.hidden_params) {
-    // Only a parameter still holding its placeholder: anything else gave it new data since.
-    if (h.param.is_alias_of(h.placeholder)) h.param.set_data(h.data);
-  }
-  unit.hidden_params.clear();
-}
+void show_params(FSDPState& unit) { unit.hidden_params().show_all(); }
 
 void show_all_params(const RootContext& context) {
-  for (FSDPState* unit : context.states) {
-    if (!unit->hidden_params.empty()) show_params(*unit);
+  for (FSDPState* unit : context.states()) {
+    if (!unit->hidden_params().empty()) show_params(*unit);
   }
 }
 

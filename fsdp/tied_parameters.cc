@@ -245,15 +245,15 @@ void take_tied_parameters(const TiedParameterPlan& plan) {
 
 void place_tied_parameters(RootContext& context, const UnitModuleFqns& unit_fqns) {
   auto& registry = contract::ModuleStateRegistry::global();
-  torch::nn::Module& root = context.root->module();
+  torch::nn::Module& root = context.root()->module();
   const std::string root_name = registry.describe(root);
   auto fail = [&](const std::string& message) {
     // Lazy initialisation fails as a whole: the next forward initialises (and checks) again.
-    for (FSDPState* unit : context.states) unit->set_root_context(nullptr);
+    for (FSDPState* unit : context.states()) unit->set_root_context(nullptr);
     TORCH_CHECK(false, message);
   };
   std::unordered_map<const void*, FSDPState*> owner;
-  for (FSDPState* unit : context.states) {
+  for (FSDPState* unit : context.states()) {
     for (const auto& p : unit->params()) owner[p.param.unsafeGetTensorImpl()] = unit;
   }
   struct Use {
