@@ -1,7 +1,7 @@
 #pragma once
 // Auto-wrap policies (FSDP1's auto_wrap_policy): which modules of a tree become units. A policy
 // only selects modules; fsdp::fully_shard_tree (composable/fully_shard_tree.h) applies fully_shard
-// to them, and fsdp::checkpoint (activation checkpointing) uses the same policies.
+// to them, and fsdp::checkpoint_activations (activation checkpointing) uses the same policies.
 //
 //   // One unit per transformer block, then the root:
 //   auto units = fsdp::fully_shard_tree(*model, fsdp::WrapPolicy::module_types<BlockImpl>());

@@ -38,15 +38,15 @@
 #include <torch/optim/adamw.h>
 #include <torch/utils.h>
 
+#include "checkpoint/distributed_checkpoint.h"
+#include "checkpoint/full_state_dict_files.h"
+#include "checkpoint/load_pretrained.h"
+#include "checkpoint/state_dict.h"
 #include "comm/init.h"
-#include "composable/distributed_checkpoint.h"
-#include "composable/checkpoint.h"
+#include "composable/activation_checkpoint.h"
 #include "composable/fully_shard.h"
 #include "composable/fully_shard_tree.h"
-#include "composable/full_state_dict_files.h"
-#include "composable/load_pretrained.h"
 #include "composable/plan.h"
-#include "composable/state_dict.h"
 #include "composable/wrap_policy.h"
 #include "examples/char_corpus.h"
 #include "examples/gpt_model.h"
@@ -93,9 +93,10 @@ constexpr const char* kUsage =
                          model-0000k-of-0000n.safetensors) straight into the shards: each rank
                          reads only its slices (fsdp::load_pretrained)
   --checkpoint-activations
-                         activation checkpointing on every block (fsdp::checkpoint_tree): each
-                         block keeps only its input through forward and recomputes the rest in
-                         backward (same gradients, less memory, about one more forward of time)
+                         activation checkpointing on every block
+                         (fsdp::checkpoint_activations_tree): each block keeps only its input
+                         through forward and recomputes the rest in backward (same gradients, less
+                         memory, about one more forward of time)
 )";
 
 /// The command line.
@@ -449,7 +450,7 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
   // The type policy selects every block: activation checkpointing on each (when asked), then
   // fully_shard on each, bottom-up, and on the root (embeddings, tied output layer, ln_f).
   const auto blocks = fsdp::WrapPolicy::module_types<fsdp::examples::BlockImpl>();
-  if (f.checkpoint_activations) fsdp::checkpoint_tree(*model, blocks);
+  if (f.checkpoint_activations) fsdp::checkpoint_activations_tree(*model, blocks);
   const auto options = fsdp::FullyShardOptions().strategy(strategy).device(device);
   std::vector<fsdp::FSDPModule> units = fsdp::fully_shard_tree(*model, blocks, options);
   if (!f.init_from.empty()) {

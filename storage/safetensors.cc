@@ -315,42 +315,60 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsIte
   file.close_and_keep();
 }
 
-SafetensorsFile::SafetensorsFile(std::string path) {
-  header_.path = std::move(path);
-  const std::string& p = header_.path;
-  do {
-    fd_ = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
-  } while (fd_ < 0 && errno == EINTR);
-  TORCH_CHECK(fd_ >= 0, "SafetensorsFile: cannot open '", p, "': ", error_text(errno));
-  // The constructor's failures must not leak the descriptor (the destructor will not run).
-  struct CloseOnError {
-    int& fd;
-    bool armed = true;
-    ~CloseOnError() {
-      if (armed && fd >= 0) {
-        ::close(fd);
-        fd = -1;
-      }
-    }
-  } guard{fd_};
+namespace {
 
+// Closes the descriptor unless disarmed: the constructor's failures must not leak it (the
+// destructor does not run then).
+struct CloseOnError {
+  int& fd;
+  bool armed = true;
+  ~CloseOnError() {
+    if (armed && fd >= 0) {
+      ::close(fd);
+      fd = -1;
+    }
+  }
+};
+
+int open_for_reading(const std::string& p) {
+  int fd;
+  do {
+    fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+  } while (fd < 0 && errno == EINTR);
+  TORCH_CHECK(fd >= 0, "SafetensorsFile: cannot open '", p, "': ", error_text(errno));
+  return fd;
+}
+
+// The JSON header's bytes, after the 8-byte little-endian length that starts the file.
+struct HeaderBytes {
+  std::string text;
+  int64_t file_size = 0;
+  int64_t data_start = 0;  // 8 + the header's length
+};
+
+HeaderBytes read_header_bytes(int fd, const std::string& p) {
   struct stat st;
-  TORCH_CHECK(::fstat(fd_, &st) == 0, "SafetensorsFile: cannot stat '", p, "': ", error_text(errno));
-  const int64_t file_size = st.st_size;
-  TORCH_CHECK(file_size >= 8, "SafetensorsFile: '", p, "' is ", file_size,
+  TORCH_CHECK(::fstat(fd, &st) == 0, "SafetensorsFile: cannot stat '", p, "': ", error_text(errno));
+  HeaderBytes bytes;
+  bytes.file_size = st.st_size;
+  TORCH_CHECK(bytes.file_size >= 8, "SafetensorsFile: '", p, "' is ", bytes.file_size,
               " bytes, too short for the 8-byte header length of a safetensors file");
   unsigned char length_bytes[8];
-  pread_all(fd_, length_bytes, 8, 0, p, "SafetensorsFile");
+  pread_all(fd, length_bytes, 8, 0, p, "SafetensorsFile");
   uint64_t header_length = 0;
   for (int b = 7; b >= 0; --b) header_length = (header_length << 8) | length_bytes[b];
-  TORCH_CHECK(header_length <= kMaxHeaderBytes && header_length <= static_cast<uint64_t>(file_size - 8),
+  TORCH_CHECK(header_length <= kMaxHeaderBytes && header_length <= static_cast<uint64_t>(bytes.file_size - 8),
               "SafetensorsFile: '", p, "' declares a header of ", header_length, " bytes but the file is ",
-              file_size, " bytes (limit ", kMaxHeaderBytes, "): not a safetensors file, or truncated");
-  std::string text(header_length, '\0');
-  pread_all(fd_, text.data(), static_cast<int64_t>(header_length), 8, p, "SafetensorsFile");
-  header_.data_start = 8 + static_cast<int64_t>(header_length);
+              bytes.file_size, " bytes (limit ", kMaxHeaderBytes, "): not a safetensors file, or truncated");
+  bytes.text.assign(header_length, '\0');
+  pread_all(fd, bytes.text.data(), static_cast<int64_t>(header_length), 8, p, "SafetensorsFile");
+  bytes.data_start = 8 + static_cast<int64_t>(header_length);
+  return bytes;
+}
 
-  // Duplicate top-level keys would silently replace each other in the parsed object.
+// The header as a JSON object; a key given twice at the top level is an error (the parsed object
+// would silently keep only one of its values).
+Json parse_header_json(const std::string& text, const std::string& p) {
   std::set<std::string> seen;
   std::string duplicate;
   Json json;
@@ -368,73 +386,100 @@ SafetensorsFile::SafetensorsFile(std::string path) {
   TORCH_CHECK(json.is_object(), "SafetensorsFile: the header of '", p, "' is a JSON ", json.type_name(),
               ", expected an object");
   TORCH_CHECK(duplicate.empty(), "SafetensorsFile: the header of '", p, "' has key '", duplicate, "' twice");
+  return json;
+}
 
-  std::string crc_block_text;
+// The checksum keys of "__metadata__", as found (validated once the entries are known).
+struct ChecksumMetadata {
+  bool has_block = false;
+  bool has_crc = false;
+  std::string block_text;
   std::string crc_text;
-  bool has_crc_block = false, has_crc = false;
+};
+
+// Reads "__metadata__" into `metadata`, all but the checksum keys, which go to `checksums`.
+void parse_metadata(const Json& value, const std::string& p, std::map<std::string, std::string>& metadata,
+                    ChecksumMetadata& checksums) {
+  TORCH_CHECK(value.is_object(), "SafetensorsFile: '", p, "': '", kMetadataKey,
+              "' must be an object of strings, found ", describe(value));
+  for (const auto& [mk, mv] : value.items()) {
+    TORCH_CHECK(mv.is_string(), "SafetensorsFile: '", p, "': metadata '", mk, "' must be a string, found ",
+                describe(mv));
+    if (mk == kCrcBlockKey) {
+      checksums.has_block = true;
+      checksums.block_text = mv.get<std::string>();
+    } else if (mk == kCrcKey) {
+      checksums.has_crc = true;
+      checksums.crc_text = mv.get<std::string>();
+    } else {
+      metadata[mk] = mv.get<std::string>();
+    }
+  }
+}
+
+// One tensor's entry: dtype, shape and data offsets well formed and consistent with each other.
+SafetensorsEntry parse_entry(const std::string& key, const Json& value, const std::string& p) {
+  TORCH_CHECK(!key.empty(), "SafetensorsFile: '", p, "' has an entry with an empty key");
+  const auto fail_entry = [&](const std::string& what) {
+    TORCH_CHECK(false, "SafetensorsFile: '", p, "': entry '", key, "': ", what, " (found ", describe(value), ")");
+  };
+  if (!value.is_object()) fail_entry("expected an object with dtype, shape and data_offsets");
+  if (!value.contains("dtype") || !value["dtype"].is_string()) fail_entry("'dtype' must be a string");
+  if (!value.contains("shape") || !value["shape"].is_array()) fail_entry("'shape' must be an array");
+  if (!value.contains("data_offsets") || !value["data_offsets"].is_array() || value["data_offsets"].size() != 2) {
+    fail_entry("'data_offsets' must be an array [begin, end]");
+  }
+  SafetensorsEntry entry;
+  entry.key = key;
+  entry.dtype = scalar_type_from_safetensors(value["dtype"].get<std::string>(), "'" + p + "' entry '" + key + "'");
+  for (const auto& d : value["shape"]) {
+    if (!d.is_number_unsigned()) fail_entry("'shape' must hold non-negative integers");
+    const uint64_t size = d.get<uint64_t>();
+    if (size > static_cast<uint64_t>(INT64_MAX)) fail_entry("a dimension is too large");
+    entry.shape.push_back(static_cast<int64_t>(size));
+  }
+  for (int i = 0; i < 2; ++i) {
+    const auto& o = value["data_offsets"][i];
+    if (!o.is_number_unsigned() || o.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
+      fail_entry("'data_offsets' must hold non-negative integers");
+    }
+  }
+  entry.data_begin = value["data_offsets"][0].get<int64_t>();
+  entry.data_end = value["data_offsets"][1].get<int64_t>();
+  if (entry.data_end < entry.data_begin) fail_entry("'data_offsets' end is before begin");
+  bool overflow = false;
+  const int64_t numel = checked_numel(entry.shape, &overflow);
+  const int64_t element_size = static_cast<int64_t>(c10::elementSize(entry.dtype));
+  int64_t expected_bytes = 0;
+  if (overflow || __builtin_mul_overflow(numel, element_size, &expected_bytes)) {
+    fail_entry("the shape's byte size overflows");
+  }
+  TORCH_CHECK(expected_bytes == entry.nbytes(), "SafetensorsFile: '", p, "': entry '", key, "' of dtype ",
+              value["dtype"].get<std::string>(), " and shape ", c10::IntArrayRef(entry.shape), " needs ",
+              expected_bytes, " bytes but its data_offsets [", entry.data_begin, ", ", entry.data_end, "] hold ",
+              entry.nbytes());
+  return entry;
+}
+
+// Every top-level key in file order (so the first malformed one is the one reported): the
+// metadata into `header.metadata`, the entries into `header.entries`. Returns the checksum keys.
+ChecksumMetadata parse_items(const Json& json, SafetensorsHeader& header) {
+  ChecksumMetadata checksums;
   for (const auto& [key, value] : json.items()) {
     if (key == kMetadataKey) {
-      TORCH_CHECK(value.is_object(), "SafetensorsFile: '", p, "': '", kMetadataKey,
-                  "' must be an object of strings, found ", describe(value));
-      for (const auto& [mk, mv] : value.items()) {
-        TORCH_CHECK(mv.is_string(), "SafetensorsFile: '", p, "': metadata '", mk,
-                    "' must be a string, found ", describe(mv));
-        if (mk == kCrcBlockKey) {
-          has_crc_block = true;
-          crc_block_text = mv.get<std::string>();
-        } else if (mk == kCrcKey) {
-          has_crc = true;
-          crc_text = mv.get<std::string>();
-        } else {
-          header_.metadata[mk] = mv.get<std::string>();
-        }
-      }
-      continue;
+      parse_metadata(value, header.path, header.metadata, checksums);
+    } else {
+      header.entries.push_back(parse_entry(key, value, header.path));
     }
-    TORCH_CHECK(!key.empty(), "SafetensorsFile: '", p, "' has an entry with an empty key");
-    const auto fail_entry = [&](const std::string& what) {
-      TORCH_CHECK(false, "SafetensorsFile: '", p, "': entry '", key, "': ", what, " (found ", describe(value), ")");
-    };
-    if (!value.is_object()) fail_entry("expected an object with dtype, shape and data_offsets");
-    if (!value.contains("dtype") || !value["dtype"].is_string()) fail_entry("'dtype' must be a string");
-    if (!value.contains("shape") || !value["shape"].is_array()) fail_entry("'shape' must be an array");
-    if (!value.contains("data_offsets") || !value["data_offsets"].is_array() || value["data_offsets"].size() != 2) {
-      fail_entry("'data_offsets' must be an array [begin, end]");
-    }
-    SafetensorsEntry entry;
-    entry.key = key;
-    entry.dtype = scalar_type_from_safetensors(value["dtype"].get<std::string>(), "'" + p + "' entry '" + key + "'");
-    for (const auto& d : value["shape"]) {
-      if (!d.is_number_unsigned()) fail_entry("'shape' must hold non-negative integers");
-      const uint64_t size = d.get<uint64_t>();
-      if (size > static_cast<uint64_t>(INT64_MAX)) fail_entry("a dimension is too large");
-      entry.shape.push_back(static_cast<int64_t>(size));
-    }
-    for (int i = 0; i < 2; ++i) {
-      const auto& o = value["data_offsets"][i];
-      if (!o.is_number_unsigned() || o.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
-        fail_entry("'data_offsets' must hold non-negative integers");
-      }
-    }
-    entry.data_begin = value["data_offsets"][0].get<int64_t>();
-    entry.data_end = value["data_offsets"][1].get<int64_t>();
-    if (entry.data_end < entry.data_begin) fail_entry("'data_offsets' end is before begin");
-    bool overflow = false;
-    const int64_t numel = checked_numel(entry.shape, &overflow);
-    const int64_t element_size = static_cast<int64_t>(c10::elementSize(entry.dtype));
-    int64_t expected_bytes = 0;
-    if (overflow || __builtin_mul_overflow(numel, element_size, &expected_bytes)) {
-      fail_entry("the shape's byte size overflows");
-    }
-    TORCH_CHECK(expected_bytes == entry.nbytes(), "SafetensorsFile: '", p, "': entry '", key, "' of dtype ",
-                value["dtype"].get<std::string>(), " and shape ", c10::IntArrayRef(entry.shape), " needs ",
-                expected_bytes, " bytes but its data_offsets [", entry.data_begin, ", ", entry.data_end, "] hold ",
-                entry.nbytes());
-    header_.entries.push_back(std::move(entry));
   }
+  return checksums;
+}
 
-  // Entries must tile the data section back to back, in any key order.
-  auto& entries = header_.entries;
+// Sorts the entries into data order and checks that they tile the data section back to back (in
+// any key order) and that the file holds all of it; sets `header.data_size`.
+void check_data_layout(SafetensorsHeader& header, int64_t file_size) {
+  const std::string& p = header.path;
+  auto& entries = header.entries;
   std::stable_sort(entries.begin(), entries.end(), [](const SafetensorsEntry& a, const SafetensorsEntry& b) {
     return a.data_begin != b.data_begin ? a.data_begin < b.data_begin : a.data_end < b.data_end;
   });
@@ -451,63 +496,85 @@ SafetensorsFile::SafetensorsFile(std::string path) {
                 " (entries must be back to back from 0)");
     cursor = e.data_end;
   }
-  header_.data_size = cursor;
+  header.data_size = cursor;
 
   // Compared as sizes left after the header, so that huge offsets cannot overflow.
-  const int64_t data_available = file_size - header_.data_start;
-  if (header_.data_size > data_available) {
+  const int64_t data_available = file_size - header.data_start;
+  if (header.data_size > data_available) {
     for (const auto& e : entries) {
       TORCH_CHECK(e.data_end <= data_available, "SafetensorsFile: '", p, "' is truncated: it holds ",
-                  data_available, " bytes of data after its ", header_.data_start, "-byte header, but entry '", e.key,
+                  data_available, " bytes of data after its ", header.data_start, "-byte header, but entry '", e.key,
                   "' needs data bytes [", e.data_begin, ", ", e.data_end, ") and the header describes ",
-                  header_.data_size, " bytes");
+                  header.data_size, " bytes");
     }
   }
+}
 
-  TORCH_CHECK(has_crc_block == has_crc, "SafetensorsFile: '", p, "': metadata has '",
-              has_crc_block ? kCrcBlockKey : kCrcKey, "' without '", has_crc_block ? kCrcKey : kCrcBlockKey, "'");
-  if (has_crc_block) {
-    int64_t block = 0;
-    try {
-      size_t used = 0;
-      block = std::stoll(crc_block_text, &used);
-      if (used != crc_block_text.size()) block = 0;
-    } catch (const std::exception&) {
-      block = 0;
-    }
-    TORCH_CHECK(block > 0, "SafetensorsFile: '", p, "': metadata '", kCrcBlockKey,
-                "' must be a positive decimal number of bytes, found '", crc_block_text, "'");
-    header_.crc_block_bytes = block;
-    Json crc;
-    try {
-      crc = Json::parse(crc_text);
-    } catch (const Json::exception& e) {
-      TORCH_CHECK(false, "SafetensorsFile: '", p, "': metadata '", kCrcKey, "' is not valid JSON: ", e.what());
-    }
-    TORCH_CHECK(crc.is_object(), "SafetensorsFile: '", p, "': metadata '", kCrcKey,
-                "' must be a JSON object from key to checksum list");
-    for (const auto& [key, list] : crc.items()) {
-      TORCH_CHECK(header_.find(key) != nullptr, "SafetensorsFile: '", p, "': metadata '", kCrcKey,
-                  "' has checksums for '", key, "', which is not an entry of the file");
-    }
-    for (auto& e : entries) {
-      TORCH_CHECK(crc.contains(e.key), "SafetensorsFile: '", p, "': metadata '", kCrcKey,
-                  "' has no checksums for entry '", e.key, "'");
-      const auto& list = crc[e.key];
-      const int64_t expected = block_count(e.nbytes(), block);
-      TORCH_CHECK(list.is_array() && static_cast<int64_t>(list.size()) == expected, "SafetensorsFile: '", p,
-                  "': entry '", e.key, "' of ", e.nbytes(), " bytes needs ", expected, " checksums of ", block,
-                  "-byte blocks, found ", describe(list));
-      for (const auto& c : list) {
-        const std::string hex = c.is_string() ? c.get<std::string>() : std::string();
-        char* end = nullptr;
-        const unsigned long value = hex.size() == 8 ? std::strtoul(hex.c_str(), &end, 16) : 0;
-        TORCH_CHECK(hex.size() == 8 && end == hex.c_str() + 8, "SafetensorsFile: '", p, "': entry '", e.key,
-                    "': checksum ", describe(c), " is not 8 hexadecimal digits");
-        e.crc32c.push_back(static_cast<uint32_t>(value));
-      }
+// The checksum block size and each entry's block checksums (both keys or neither; a list of
+// 8-digit hexadecimal CRC-32Cs for every entry and for no other key) into `header`.
+void read_checksums(const ChecksumMetadata& checksums, SafetensorsHeader& header) {
+  const std::string& p = header.path;
+  TORCH_CHECK(checksums.has_block == checksums.has_crc, "SafetensorsFile: '", p, "': metadata has '",
+              checksums.has_block ? kCrcBlockKey : kCrcKey, "' without '",
+              checksums.has_block ? kCrcKey : kCrcBlockKey, "'");
+  if (!checksums.has_block) return;
+  const std::string& crc_block_text = checksums.block_text;
+  int64_t block = 0;
+  try {
+    size_t used = 0;
+    block = std::stoll(crc_block_text, &used);
+    if (used != crc_block_text.size()) block = 0;
+  } catch (const std::exception&) {
+    block = 0;
+  }
+  TORCH_CHECK(block > 0, "SafetensorsFile: '", p, "': metadata '", kCrcBlockKey,
+              "' must be a positive decimal number of bytes, found '", crc_block_text, "'");
+  header.crc_block_bytes = block;
+  Json crc;
+  try {
+    crc = Json::parse(checksums.crc_text);
+  } catch (const Json::exception& e) {
+    TORCH_CHECK(false, "SafetensorsFile: '", p, "': metadata '", kCrcKey, "' is not valid JSON: ", e.what());
+  }
+  TORCH_CHECK(crc.is_object(), "SafetensorsFile: '", p, "': metadata '", kCrcKey,
+              "' must be a JSON object from key to checksum list");
+  for (const auto& [key, list] : crc.items()) {
+    TORCH_CHECK(header.find(key) != nullptr, "SafetensorsFile: '", p, "': metadata '", kCrcKey,
+                "' has checksums for '", key, "', which is not an entry of the file");
+  }
+  for (auto& e : header.entries) {
+    TORCH_CHECK(crc.contains(e.key), "SafetensorsFile: '", p, "': metadata '", kCrcKey,
+                "' has no checksums for entry '", e.key, "'");
+    const auto& list = crc[e.key];
+    const int64_t expected = block_count(e.nbytes(), block);
+    TORCH_CHECK(list.is_array() && static_cast<int64_t>(list.size()) == expected, "SafetensorsFile: '", p,
+                "': entry '", e.key, "' of ", e.nbytes(), " bytes needs ", expected, " checksums of ", block,
+                "-byte blocks, found ", describe(list));
+    for (const auto& c : list) {
+      const std::string hex = c.is_string() ? c.get<std::string>() : std::string();
+      char* end = nullptr;
+      const unsigned long value = hex.size() == 8 ? std::strtoul(hex.c_str(), &end, 16) : 0;
+      TORCH_CHECK(hex.size() == 8 && end == hex.c_str() + 8, "SafetensorsFile: '", p, "': entry '", e.key,
+                  "': checksum ", describe(c), " is not 8 hexadecimal digits");
+      e.crc32c.push_back(static_cast<uint32_t>(value));
     }
   }
+}
+
+}  // namespace
+
+// Phases: open, read the header's bytes, parse them as JSON, parse the metadata and every entry,
+// check the entries' layout in the data section, then the checksums.
+SafetensorsFile::SafetensorsFile(std::string path) {
+  header_.path = std::move(path);
+  fd_ = open_for_reading(header_.path);
+  CloseOnError guard{fd_};
+  const HeaderBytes bytes = read_header_bytes(fd_, header_.path);
+  header_.data_start = bytes.data_start;
+  const Json json = parse_header_json(bytes.text, header_.path);
+  const ChecksumMetadata checksums = parse_items(json, header_);
+  check_data_layout(header_, bytes.file_size);
+  read_checksums(checksums, header_);
   guard.armed = false;
 }
 

@@ -21,8 +21,8 @@ cd "$(dirname "$0")/.."
 # ASan+UBSan (CI's set, chosen to fit its time budget): the contract, engine-layout and storage unit
 # tests, the MPI backend on 1-4 ranks, the thread backend, and two multi-rank end-to-end tests:
 # training parity (the whole engine) and activation checkpointing. Also clean, left out for time:
-# //tests/composable:fully_shard_test, :replicate_test, :state_dict_test,
-# :distributed_checkpoint_test, //tests/checkpoint/... (1-3 minutes each).
+# //tests/composable:fully_shard_test, :replicate_test, //tests/checkpoint:state_dict_test,
+# :distributed_checkpoint_test and the rest of //tests/checkpoint/... (1-3 minutes each).
 # `tools/sanitize.sh asan -- //tests/... -//tests/python/... -//tests/gpu/...` runs every C++ test.
 ASAN_TARGETS=(
   //tests/contract/...
@@ -32,7 +32,7 @@ ASAN_TARGETS=(
   //tests/comm:mpi_backend_test
   //tests/comm:launch_env_test
   //tests/composable:fully_shard_training_test
-  //tests/composable:checkpoint_test
+  //tests/composable:activation_checkpoint_test
 )
 
 # TSan: the tests that run our own threads: the MPI progress thread (mpi_backend_test, and every
@@ -47,7 +47,7 @@ TSAN_TARGETS=(
   //tests/composable:fully_shard_training_test
   //tests/composable:fully_shard_prefetch_test
   //tests/composable:replicate_test
-  //tests/composable:distributed_checkpoint_test
+  //tests/checkpoint:distributed_checkpoint_test
 )
 
 which="${1:-all}"

@@ -16,11 +16,11 @@
 #include <torch/optim/adamw.h>
 #include <torch/torch.h>
 
+#include "checkpoint/distributed_checkpoint.h"
+#include "checkpoint/full_state_dict_files.h"
+#include "checkpoint/state_dict.h"
 #include "comm/init.h"
-#include "composable/distributed_checkpoint.h"
-#include "composable/full_state_dict_files.h"
 #include "composable/fully_shard.h"
-#include "composable/state_dict.h"
 #include "tests/checkpoint/interop_model.h"
 
 namespace {

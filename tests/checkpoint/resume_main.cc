@@ -23,10 +23,10 @@
 #include <torch/optim/adamw.h>
 #include <torch/torch.h>
 
+#include "checkpoint/distributed_checkpoint.h"
+#include "checkpoint/state_dict.h"
 #include "comm/init.h"
-#include "composable/distributed_checkpoint.h"
 #include "composable/fully_shard.h"
-#include "composable/state_dict.h"
 #include "tests/composable/test_models.h"
 
 namespace {

@@ -15,8 +15,8 @@
 #include <torch/nn/module.h>
 #include <torch/utils.h>
 
+#include "checkpoint/distributed_checkpoint.h"
 #include "comm/init.h"
-#include "composable/distributed_checkpoint.h"
 #include "composable/fully_shard.h"
 #include "contract/hookable_modules.h"
 

@@ -25,8 +25,8 @@
 #include <torch/optim/adam.h>
 #include <torch/serialize.h>
 
+#include "checkpoint/state_dict.h"
 #include "composable/fully_shard.h"
-#include "composable/state_dict.h"
 #include "tests/composable/parity.h"
 #include "tests/composable/test_models.h"
 #include "tests/composable/tied_models.h"

@@ -12,10 +12,10 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
 
+#include "checkpoint/optimizer_state_dict.h"
+#include "checkpoint/state_dict.h"
 #include "composable/clip_grad_norm.h"
 #include "composable/fully_shard.h"
-#include "composable/optimizer_state_dict.h"
-#include "composable/state_dict.h"
 #include "composable/summon_full_params.h"
 #include "contract/module_state.h"
 #include "tests/composable/test_models.h"

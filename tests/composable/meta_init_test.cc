@@ -9,9 +9,9 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/torch.h>
 
+#include "checkpoint/state_dict.h"
 #include "comm/communicator.h"
 #include "composable/fully_shard.h"
-#include "composable/state_dict.h"
 #include "init/meta_init.h"
 #include "tests/composable/parity.h"
 #include "tests/composable/test_models.h"

@@ -12,7 +12,7 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/sgd.h>
 
-#include "composable/state_dict.h"
+#include "checkpoint/state_dict.h"
 #include "composable/summon_full_params.h"
 #include "tests/composable/parity.h"
 #include "tests/composable/test_models.h"

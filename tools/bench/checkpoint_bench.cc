@@ -26,8 +26,8 @@
 
 #include <torch/torch.h>
 
+#include "checkpoint/distributed_checkpoint.h"
 #include "comm/init.h"
-#include "composable/distributed_checkpoint.h"
 #include "composable/fully_shard.h"
 #include "contract/hookable_modules.h"
 #include "contract/hookable_sequential.h"

@@ -22,7 +22,7 @@
 #include <unistd.h>
 
 #include "comm/init.h"
-#include "composable/checkpoint.h"
+#include "composable/activation_checkpoint.h"
 #include "composable/fully_shard_tree.h"
 #include "examples/gpt_model.h"
 #include "tools/bench/counting_allocator.h"
@@ -32,7 +32,7 @@ namespace {
 constexpr const char* kUsage = R"(usage: soak [flags]   (launch with mpirun; tools/soak.sh)
   --steps N (1000)  --every N (100)  --strategy full|grad_op|no_shard (full)
   --layers N (4)  --d-model N (128)  --heads N (4)  --context N (64)  --batch N (16)  --vocab N (65)
-  --checkpoint-activations    fsdp::checkpoint on every block
+  --checkpoint-activations    fsdp::checkpoint_activations on every block
   --max-rss-growth-mib X (8)  the RSS growth from the first report to the last that fails the run
 )";
 
@@ -103,7 +103,7 @@ int run(const Flags& f) {
   torch::manual_seed(0);
   fsdp::examples::GPT model(config);
   const auto blocks = fsdp::WrapPolicy::module_types<fsdp::examples::BlockImpl>();
-  if (f.checkpoint_activations) fsdp::checkpoint_tree(*model, blocks);
+  if (f.checkpoint_activations) fsdp::checkpoint_activations_tree(*model, blocks);
   fsdp::fully_shard_tree(*model, blocks, fsdp::FullyShardOptions().strategy(strategy_of(f.strategy)));
   torch::optim::AdamW optim(model->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
   auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(1000 + rank));

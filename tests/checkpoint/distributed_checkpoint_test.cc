@@ -16,14 +16,14 @@
 #include <nlohmann/json.hpp>
 #include <torch/optim/adamw.h>
 
+#include "checkpoint/distributed_checkpoint.h"
+#include "checkpoint/full_state_dict_files.h"
+#include "checkpoint/optimizer_state_dict.h"
+#include "checkpoint/state_dict.h"
 #include "comm/device_mesh.h"
+#include "comm/mpi_backend.h"
 #include "contract/hookable_module_holder.h"
 #include "contract/hookable_modules.h"
-#include "comm/mpi_backend.h"
-#include "composable/distributed_checkpoint.h"
-#include "composable/full_state_dict_files.h"
-#include "composable/optimizer_state_dict.h"
-#include "composable/state_dict.h"
 #include "storage/atomic_directory.h"
 #include "storage/safetensors.h"
 #include "tests/composable/parity.h"

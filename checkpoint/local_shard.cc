@@ -1,4 +1,4 @@
-#include "composable/local_shard.h"
+#include "checkpoint/local_shard.h"
 
 namespace fsdp {
 

@@ -1,4 +1,4 @@
-#include "composable/checkpoint_support.h"
+#include "checkpoint/dcp_support.h"
 
 #include <cstdio>
 #include <filesystem>

@@ -1,4 +1,4 @@
-#include "composable/state_dict_support.h"
+#include "checkpoint/state_dict_support.h"
 
 #include <algorithm>
 #include <sstream>

@@ -1,4 +1,4 @@
-#include "composable/checkpoint.h"
+#include "composable/activation_checkpoint.h"
 
 #include <algorithm>
 #include <mutex>
@@ -28,8 +28,8 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-struct CheckpointState final : contract::ApiState {
-  CheckpointOptions options;
+struct ActivationCheckpointState final : contract::ApiState {
+  ActivationCheckpointOptions options;
 };
 
 // The generators a forward draws from, and their states.
@@ -124,10 +124,10 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto recompute = c10::static_intrusive_pointer_cast<Recompute>(ctx->saved_data["recompute"].toCapsule());
     auto module = recompute->module.lock();
-    TORCH_CHECK(module != nullptr, "checkpoint: module ", recompute->module_name,
+    TORCH_CHECK(module != nullptr, "checkpoint_activations: module ", recompute->module_name,
                 " was destroyed before backward reached its checkpointed forward; keep the model "
                 "alive until backward has run");
-    TORCH_CHECK(!c10::GradMode::is_enabled(), "checkpoint: module ", recompute->module_name,
+    TORCH_CHECK(!c10::GradMode::is_enabled(), "checkpoint_activations: module ", recompute->module_name,
                 " is in a backward with create_graph=true (a double backward); checkpointed "
                 "modules support first-order gradients only");
     const variable_list saved = ctx->get_saved_variables();  // refuses a second backward
@@ -157,7 +157,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       }
       ++k;
     });
-    TORCH_CHECK(k == grads.size(), "checkpoint: the forward of module ", recompute->module_name,
+    TORCH_CHECK(k == grads.size(), "checkpoint_activations: the forward of module ", recompute->module_name,
                 " returned ", grads.size(), " tensors, but ", k,
                 " when recomputed in backward; its forward must compute the same outputs when run "
                 "again on the same arguments");
@@ -177,7 +177,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 
 c10::IValue checkpointed_forward(torch::nn::Module& module, const contract::ForwardArgs& args,
                                  const contract::ForwardFunction& forward,
-                                 const CheckpointOptions& options) {
+                                 const ActivationCheckpointOptions& options) {
   if (!c10::GradMode::is_enabled()) return forward(args);  // nothing to save in the first place
   auto recompute = c10::make_intrusive<Recompute>();
   recompute->forward = forward;
@@ -217,9 +217,9 @@ c10::IValue checkpointed_forward(torch::nn::Module& module, const contract::Forw
 
 }  // namespace
 
-void checkpoint(torch::nn::Module& module, const CheckpointOptions& options) {
-  contract::apply_api(kCheckpointApi, module, [&](torch::nn::Module& m) {
-    auto state = std::make_shared<CheckpointState>();
+void checkpoint_activations(torch::nn::Module& module, const ActivationCheckpointOptions& options) {
+  contract::apply_api(kActivationCheckpointApi, module, [&](torch::nn::Module& m) {
+    auto state = std::make_shared<ActivationCheckpointState>();
     state->options = options;
     contract::register_forward_wrapper(
         m, [options](torch::nn::Module& mod, const contract::ForwardArgs& args,
@@ -230,17 +230,17 @@ void checkpoint(torch::nn::Module& module, const CheckpointOptions& options) {
   });
 }
 
-std::vector<SelectedModule> checkpoint_tree(torch::nn::Module& root, const WrapPolicy& policy,
-                                            const CheckpointOptions& options) {
+std::vector<SelectedModule> checkpoint_activations_tree(torch::nn::Module& root, const WrapPolicy& policy,
+                                                        const ActivationCheckpointOptions& options) {
   std::vector<SelectedModule> selected = select_modules(root, policy);
   auto& registry = contract::ModuleStateRegistry::global();
-  for (const auto& s : selected) registry.check_not_applied(*s.module, kCheckpointApi);
-  for (const auto& s : selected) checkpoint(*s.module, options);
+  for (const auto& s : selected) registry.check_not_applied(*s.module, kActivationCheckpointApi);
+  for (const auto& s : selected) checkpoint_activations(*s.module, options);
   return selected;
 }
 
-bool is_checkpointed(const torch::nn::Module& module) {
-  return contract::ModuleStateRegistry::global().contains(module, kCheckpointApi);
+bool is_activation_checkpointed(const torch::nn::Module& module) {
+  return contract::ModuleStateRegistry::global().contains(module, kActivationCheckpointApi);
 }
 
 }  // namespace fsdp

@@ -1,4 +1,4 @@
-// A save killed midway leaves the previous checkpoint intact (tests/composable/
+// A save killed midway leaves the previous checkpoint intact (tests/checkpoint/
 // distributed_checkpoint_kill_test.sh runs this program under mpirun several times):
 //   distributed_checkpoint_kill_main save DIR SEED    saves a fully_shard MlpStack built from SEED
 //   distributed_checkpoint_kill_main check DIR SEED   loads DIR into a fresh sharded model and
@@ -14,11 +14,11 @@
 
 #include <ATen/ATen.h>
 
+#include "checkpoint/distributed_checkpoint.h"
+#include "checkpoint/state_dict.h"
 #include "comm/communicator.h"
 #include "comm/mpi_backend.h"
-#include "composable/distributed_checkpoint.h"
 #include "composable/fully_shard.h"
-#include "composable/state_dict.h"
 #include "tests/composable/test_models.h"
 
 namespace {

@@ -15,9 +15,9 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include "checkpoint/optimizer_state_dict.h"
+#include "checkpoint/state_dict.h"
 #include "comm/device_mesh.h"
-#include "composable/optimizer_state_dict.h"
-#include "composable/state_dict.h"
 #include "tests/composable/parity.h"
 #include "tests/composable/test_models.h"
 #include "tests/composable/tied_models.h"

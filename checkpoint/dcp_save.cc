@@ -1,4 +1,4 @@
-#include "composable/distributed_checkpoint.h"
+#include "checkpoint/distributed_checkpoint.h"
 #include "comm/issuing_api.h"
 
 #include <algorithm>
@@ -14,15 +14,15 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
-#include "composable/checkpoint_support.h"
-#include "composable/optimizer_state_dict.h"
-#include "composable/state_dict.h"
+#include "checkpoint/dcp_support.h"
+#include "checkpoint/optimizer_state_dict.h"
+#include "checkpoint/state_dict.h"
 #include "storage/atomic_directory.h"
 #include "storage/boxes.h"
 #include "storage/safetensors.h"
 
 // Saving: plans, files and the atomic commit (see [Note: checkpoint layout] in
-// composable/distributed_checkpoint.h).
+// checkpoint/distributed_checkpoint.h).
 
 namespace fsdp::dcp {
 using namespace detail;

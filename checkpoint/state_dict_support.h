@@ -1,6 +1,6 @@
 #pragma once
-// Building blocks shared by the model's and the optimizer's state dicts (composable/state_dict.cc,
-// composable/optimizer_state_dict.cc): where each original parameter lives on this rank, who
+// Building blocks shared by the model's and the optimizer's state dicts (checkpoint/state_dict.cc,
+// checkpoint/optimizer_state_dict.cc): where each original parameter lives on this rank, who
 // writes replicated values, and the collective validate-then-load of full state dicts. Not a
 // public API.
 
@@ -13,8 +13,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/ordered_dict.h>
 
+#include "checkpoint/state_dict.h"
 #include "composable/fully_shard.h"
-#include "composable/state_dict.h"
 #include "fsdp/flat_param_layout.h"
 
 namespace fsdp {
@@ -61,7 +61,7 @@ bool writes_replicated(const FSDPModule& root);
 std::string parameters_in_use(const FSDPModule& root);
 
 namespace state_dict_detail {
-// Shared by the model's and the optimizer's full state dicts (composable/optimizer_state_dict.cc).
+// Shared by the model's and the optimizer's full state dicts (checkpoint/optimizer_state_dict.cc).
 
 /// One value of a full state dict that a load expects.
 struct ExpectedValue {

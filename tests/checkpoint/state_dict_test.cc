@@ -15,8 +15,8 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 
+#include "checkpoint/state_dict.h"
 #include "comm/device_mesh.h"
-#include "composable/state_dict.h"
 #include "tests/composable/parity.h"
 #include "tests/composable/test_models.h"
 #include "tests/composable/tied_models.h"

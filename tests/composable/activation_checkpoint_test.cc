@@ -1,9 +1,9 @@
-// fsdp::checkpoint (activation checkpointing), over MPI on every world size of the launch:
-// gradients equal those without checkpointing (bit-exact on a plain model, with dropout: the
-// recomputation replays the forward's RNG state), parity with the unsharded reference under
-// fully_shard with every strategy and mixed precision (checkpoint on the units' modules and on
-// modules inside units), no extra all-gather, errors, and the activation memory saved, counted in
-// bytes by a counting CPU allocator.
+// fsdp::checkpoint_activations (activation checkpointing), over MPI on every world size of the
+// launch: gradients equal those without checkpointing (bit-exact on a plain model, with dropout:
+// the recomputation replays the forward's RNG state), parity with the unsharded reference under
+// fully_shard with every strategy and mixed precision (checkpoint_activations on the units'
+// modules and on modules inside units), no extra all-gather, errors, and the activation memory
+// saved, counted in bytes by a counting CPU allocator; the old names (composable/checkpoint.h).
 #include <cstdio>
 #include <string>
 #include <tuple>
@@ -14,7 +14,8 @@
 #include <torch/optim/sgd.h>
 
 #include "comm/communicator.h"
-#include "composable/checkpoint.h"
+#include "composable/activation_checkpoint.h"
+#include "composable/checkpoint.h"  // the old names, checked below
 #include "composable/fully_shard.h"
 #include "composable/replicate.h"
 #include "contract/hookable_modules.h"
@@ -105,35 +106,35 @@ void require_same(const std::vector<std::vector<at::Tensor>>& a, const std::vect
 
 }  // namespace
 
-TEST_CASE("checkpoint gives the gradients of the plain model, dropout included") {
+TEST_CASE("checkpoint_activations gives the gradients of the plain model, dropout included") {
   torch::manual_seed(3);
   AcStack plain(8, 3, 0.3);
   torch::manual_seed(3);
   AcStack ckpt(8, 3, 0.3);
-  for (auto& b : ckpt->blocks) fsdp::checkpoint(b);
-  CHECK(fsdp::is_checkpointed(*ckpt->blocks[0]));
-  CHECK_FALSE(fsdp::is_checkpointed(*ckpt));
+  for (auto& b : ckpt->blocks) fsdp::checkpoint_activations(b);
+  CHECK(fsdp::is_activation_checkpointed(*ckpt->blocks[0]));
+  CHECK_FALSE(fsdp::is_activation_checkpointed(*ckpt));
   // The first block's input needs no gradient (data): its parameters still get theirs.
   require_same(train(plain), train(ckpt));
   auto names_plain = plain->named_parameters().keys();
   CHECK(names_plain == ckpt->named_parameters().keys());
 }
 
-TEST_CASE("checkpoint nests, takes non-tensor arguments and returns tuples") {
+TEST_CASE("checkpoint_activations nests, takes non-tensor arguments and returns tuples") {
   torch::manual_seed(4);
   AcStack plain(8, 2, 0.2);
   torch::manual_seed(4);
   AcStack nested(8, 2, 0.2);
-  fsdp::checkpoint(nested->blocks[0]);
-  fsdp::checkpoint(nested->blocks[0]->up);  // inside a checkpointed block
-  fsdp::checkpoint(nested->blocks[1]->down);
+  fsdp::checkpoint_activations(nested->blocks[0]);
+  fsdp::checkpoint_activations(nested->blocks[0]->up);  // inside a checkpointed block
+  fsdp::checkpoint_activations(nested->blocks[1]->down);
   require_same(train(plain), train(nested));
 
   torch::manual_seed(5);
   PairOut a(6);
   torch::manual_seed(5);
   PairOut b(6);
-  fsdp::checkpoint(b);
+  fsdp::checkpoint_activations(b);
   at::Tensor x = torch::randn({3, 6}, torch::requires_grad());
   auto [ha, sa] = a(x, 0.5);
   (ha.pow(2).sum() + sa.sum()).backward();
@@ -145,18 +146,18 @@ TEST_CASE("checkpoint nests, takes non-tensor arguments and returns tuples") {
   CHECK(torch::equal(a->fc->weight.grad(), b->fc->weight.grad()));
 }
 
-TEST_CASE("checkpoint without grad mode runs forward as it is") {
+TEST_CASE("checkpoint_activations without grad mode runs forward as it is") {
   AcStack model(8, 2, 0.0);
-  fsdp::checkpoint(model->blocks[0]);
+  fsdp::checkpoint_activations(model->blocks[0]);
   torch::NoGradGuard no_grad;
   at::Tensor y = model(at::randn({2, 8}));
   CHECK_FALSE(y.requires_grad());
 }
 
-TEST_CASE("checkpoint errors: applied twice, a second backward, a unit inside") {
+TEST_CASE("checkpoint_activations errors: applied twice, a second backward, a unit inside") {
   AcStack model(8, 2, 0.0);
-  fsdp::checkpoint(model->blocks[0]);
-  CHECK_THROWS_WITH(fsdp::checkpoint(model->blocks[0]), Contains("checkpoint") && Contains("AcBlockImpl"));
+  fsdp::checkpoint_activations(model->blocks[0]);
+  CHECK_THROWS_WITH(fsdp::checkpoint_activations(model->blocks[0]), Contains("checkpoint") && Contains("AcBlockImpl"));
 
   at::Tensor loss = model(at::randn({2, 8})).sum();
   loss.backward();
@@ -167,7 +168,7 @@ TEST_CASE("checkpoint errors: applied twice, a second backward, a unit inside") 
   auto opts = fsdp::FullyShardOptions().communicator(
       std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU));
   for (auto& b : sharded->blocks) fsdp::fully_shard(b, opts);
-  fsdp::checkpoint(sharded);
+  fsdp::checkpoint_activations(sharded);
   fsdp::fully_shard(sharded, opts);
   CHECK_THROWS_WITH(sharded(at::randn({2, 8})),
                     Contains("fully_shard: unit") && Contains("b0") && Contains("activation checkpointing"));
@@ -185,10 +186,10 @@ fsdp::testing::Scenario ac_scenario(std::string name, bool inside_units) {
               std::vector<fsdp::FSDPModule> units;
               for (auto& b : model->blocks) {
                 if (inside_units) {
-                  fsdp::checkpoint(b->up);
-                  fsdp::checkpoint(b->down);
+                  fsdp::checkpoint_activations(b->up);
+                  fsdp::checkpoint_activations(b->down);
                 } else {
-                  fsdp::checkpoint(b);
+                  fsdp::checkpoint_activations(b);
                 }
                 units.push_back(fsdp::fully_shard(b, o));
               }
@@ -201,7 +202,7 @@ fsdp::testing::Scenario ac_scenario(std::string name, bool inside_units) {
 
 }  // namespace
 
-TEST_CASE("checkpoint under fully_shard: parity with the unsharded reference") {
+TEST_CASE("checkpoint_activations under fully_shard: parity with the unsharded reference") {
   for (bool inside : {false, true}) {
     for (auto strategy : {fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp,
                           fsdp::ShardingStrategy::kNoShard}) {
@@ -246,7 +247,8 @@ ShardedRun train_distributed(AcStack& model, fsdp::comm::Communicator& comm, int
   return run;
 }
 
-// fully_shard on every block and the root, with or without checkpoint on the blocks; dropout on.
+// fully_shard on every block and the root, with or without checkpoint_activations on the blocks;
+// dropout on.
 ShardedRun run_sharded(bool with_checkpoint, fsdp::ShardingStrategy strategy, bool bf16) {
   torch::manual_seed(11);
   AcStack model(8, 3, 0.25);
@@ -254,7 +256,7 @@ ShardedRun run_sharded(bool with_checkpoint, fsdp::ShardingStrategy strategy, bo
   auto opts = fsdp::FullyShardOptions().communicator(comm).strategy(strategy);
   if (bf16) opts.mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
   for (auto& b : model->blocks) {
-    if (with_checkpoint) fsdp::checkpoint(b);
+    if (with_checkpoint) fsdp::checkpoint_activations(b);
     fsdp::fully_shard(b, opts);
   }
   fsdp::fully_shard(model, opts);
@@ -263,7 +265,7 @@ ShardedRun run_sharded(bool with_checkpoint, fsdp::ShardingStrategy strategy, bo
 
 }  // namespace
 
-TEST_CASE("checkpoint under fully_shard with dropout equals fully_shard without it") {
+TEST_CASE("checkpoint_activations under fully_shard with dropout equals fully_shard without it") {
   for (auto strategy : {fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp,
                         fsdp::ShardingStrategy::kNoShard}) {
     for (bool bf16 : {false, true}) {
@@ -305,7 +307,7 @@ Bytes measure_step(AcStack& model, int64_t batch, int64_t dim) {
 
 }  // namespace
 
-TEST_CASE("checkpoint frees each block's activations: bytes counted by the allocator") {
+TEST_CASE("checkpoint_activations frees each block's activations: bytes counted by the allocator") {
   fsdp::bench::CountingAllocator::install();
   constexpr int64_t kDim = 64, kBatch = 32;
   constexpr int kDepth = 8;
@@ -317,7 +319,7 @@ TEST_CASE("checkpoint frees each block's activations: bytes counted by the alloc
   AcStack plain(kDim, kDepth, 0.1);
   torch::manual_seed(1);
   AcStack ckpt(kDim, kDepth, 0.1);
-  for (auto& b : ckpt->blocks) fsdp::checkpoint(b);
+  for (auto& b : ckpt->blocks) fsdp::checkpoint_activations(b);
   const Bytes without = measure_step(plain, kBatch, kDim);
   const Bytes with = measure_step(ckpt, kBatch, kDim);
   const int64_t per_block = (without.after_forward - single.after_forward) / (kDepth - 1);
@@ -336,33 +338,33 @@ TEST_CASE("checkpoint frees each block's activations: bytes counted by the alloc
   CHECK(without.peak - with.peak >= (kDepth - 1) * expected_block);
 }
 
-TEST_CASE("checkpoint_tree checkpoints the modules a policy selects") {
+TEST_CASE("checkpoint_activations_tree checkpoints the modules a policy selects") {
   torch::manual_seed(6);
   AcStack plain(8, 3, 0.2);
   torch::manual_seed(6);
   AcStack model(8, 3, 0.2);
-  const auto selected = fsdp::checkpoint_tree(*model, fsdp::WrapPolicy::module_types<AcBlockImpl>());
+  const auto selected = fsdp::checkpoint_activations_tree(*model, fsdp::WrapPolicy::module_types<AcBlockImpl>());
   REQUIRE(selected.size() == 3);
   CHECK(selected[0].fqn == "b0");
   CHECK(selected[2].fqn == "b2");
-  for (const auto& b : model->blocks) CHECK(fsdp::is_checkpointed(*b));
-  CHECK_FALSE(fsdp::is_checkpointed(*model->head));
+  for (const auto& b : model->blocks) CHECK(fsdp::is_activation_checkpointed(*b));
+  CHECK_FALSE(fsdp::is_activation_checkpointed(*model->head));
   require_same(train(plain), train(model));
   // A second application is refused before anything is applied.
-  CHECK_THROWS_WITH(fsdp::checkpoint_tree(*model, fsdp::WrapPolicy::module_types<AcBlockImpl>()),
+  CHECK_THROWS_WITH(fsdp::checkpoint_activations_tree(*model, fsdp::WrapPolicy::module_types<AcBlockImpl>()),
                     Contains("already has checkpoint applied"));
 }
 
 namespace {
 
 // replicate on the root (small buckets: several all-reduces overlap backward), optionally
-// fully_shard on the blocks, with or without checkpoint on the blocks; dropout on.
+// fully_shard on the blocks, with or without checkpoint_activations on the blocks; dropout on.
 ShardedRun run_replicated(bool with_checkpoint, bool shard_blocks) {
   torch::manual_seed(12);
   AcStack model(8, 3, 0.25);
   auto comm = std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU);
   for (auto& b : model->blocks) {
-    if (with_checkpoint) fsdp::checkpoint(b);
+    if (with_checkpoint) fsdp::checkpoint_activations(b);
     if (shard_blocks) fsdp::fully_shard(b, fsdp::FullyShardOptions().communicator(comm));
   }
   fsdp::replicate(model, fsdp::ReplicateOptions().communicator(comm).bucket_cap_mb(1e-4));
@@ -371,7 +373,7 @@ ShardedRun run_replicated(bool with_checkpoint, bool shard_blocks) {
 
 }  // namespace
 
-TEST_CASE("checkpoint under replicate (and fully_shard) equals the same run without it") {
+TEST_CASE("checkpoint_activations under replicate (and fully_shard) equals the same run without it") {
   for (bool shard_blocks : {false, true}) {
     DYNAMIC_SECTION("fully_shard on the blocks " << shard_blocks) {
       const ShardedRun plain = run_replicated(false, shard_blocks);
@@ -381,4 +383,23 @@ TEST_CASE("checkpoint under replicate (and fully_shard) equals the same run with
       CHECK(ckpt.all_gathers == plain.all_gathers);
     }
   }
+}
+
+// composable/checkpoint.h keeps the names of before the rename working: the same API, the same
+// registry entry.
+TEST_CASE("the old names of composable/checkpoint.h still checkpoint activations") {
+  torch::manual_seed(7);
+  AcStack plain(8, 2, 0.2);
+  torch::manual_seed(7);
+  AcStack model(8, 2, 0.2);
+  fsdp::checkpoint(model->blocks[0], fsdp::CheckpointOptions().preserve_rng_state(true));
+  fsdp::checkpoint(*model->blocks[1]);
+  for (const auto& b : model->blocks) CHECK(fsdp::is_activation_checkpointed(*b));
+  CHECK(fsdp::is_checkpointed(*model->blocks[0]));
+  CHECK_FALSE(fsdp::is_checkpointed(*model->head));
+  CHECK(std::string(fsdp::kCheckpointApi) == fsdp::kActivationCheckpointApi);
+  require_same(train(plain), train(model));
+  AcStack other(8, 2, 0.2);
+  CHECK(fsdp::checkpoint_tree(*other, fsdp::WrapPolicy::module_types<AcBlockImpl>()).size() == 2);
+  CHECK(fsdp::is_activation_checkpointed(*other->blocks[1]));
 }

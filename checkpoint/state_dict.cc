@@ -1,4 +1,4 @@
-#include "composable/state_dict.h"
+#include "checkpoint/state_dict.h"
 
 #include <unordered_map>
 
@@ -6,7 +6,7 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
-#include "composable/state_dict_support.h"
+#include "checkpoint/state_dict_support.h"
 #include "fsdp/unit_tree.h"
 
 namespace fsdp {

@@ -1,4 +1,4 @@
-#include "composable/load_pretrained.h"
+#include "checkpoint/load_pretrained.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -20,7 +20,7 @@
 #include <torch/csrc/jit/serialization/unpickler.h>
 #include <torch/nn/module.h>
 
-#include "composable/full_state_dict_files.h"
+#include "checkpoint/full_state_dict_files.h"
 #include "contract/module_state.h"
 #include "fsdp/unit_tree.h"
 #include "storage/atomic_directory.h"

@@ -7,7 +7,7 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
-#include "composable/full_state_dict_files.h"
+#include "checkpoint/full_state_dict_files.h"
 #include "storage/atomic_directory.h"
 #include "tests/testing/multi_rank.h"
 
@@ -126,7 +126,7 @@ FSDP_RANKS_TEST_CASE("a .pt file round-trips", "[full_state_dict_files]") {
 
 // Fixtures written by Python's torch.save (testdata/make_python_state_dicts.py).
 FSDP_RANKS_TEST_CASE(".pt files written by Python's torch.save load", "[full_state_dict_files]") {
-  const std::string data = "tests/composable/testdata/";  // the test runs in its runfiles folder
+  const std::string data = "tests/checkpoint/testdata/";  // the test runs in its runfiles folder
   StateDict expected;
   expected.insert("weight", at::arange(12, at::kFloat).view({3, 4}) / 4);
   expected.insert("half", at::arange(5, at::kHalf) - 2);

@@ -1,4 +1,4 @@
-#include "composable/distributed_checkpoint.h"
+#include "checkpoint/distributed_checkpoint.h"
 #include "comm/issuing_api.h"
 
 #include <algorithm>
@@ -15,10 +15,10 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
-#include "composable/checkpoint_support.h"
-#include "composable/optimizer_state_dict.h"
-#include "composable/state_dict.h"
-#include "composable/state_dict_support.h"
+#include "checkpoint/dcp_support.h"
+#include "checkpoint/optimizer_state_dict.h"
+#include "checkpoint/state_dict.h"
+#include "checkpoint/state_dict_support.h"
 #include "storage/atomic_directory.h"
 #include "storage/boxes.h"
 #include "storage/safetensors.h"

@@ -1,4 +1,4 @@
-#include "composable/full_state_dict_files.h"
+#include "checkpoint/full_state_dict_files.h"
 
 #include <cstdio>
 #include <algorithm>

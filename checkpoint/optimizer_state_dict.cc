@@ -1,4 +1,4 @@
-#include "composable/optimizer_state_dict.h"
+#include "checkpoint/optimizer_state_dict.h"
 
 #include <algorithm>
 #include <cmath>
@@ -19,7 +19,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
-#include "composable/state_dict_support.h"
+#include "checkpoint/state_dict_support.h"
 #include "fsdp/unit_tree.h"
 
 namespace fsdp {

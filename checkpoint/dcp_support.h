@@ -1,6 +1,6 @@
 #pragma once
-// Internal to fsdp::dcp (composable/distributed_checkpoint.h): the names of the checkpoint layout
-// and the helpers that saving (checkpoint_save.cc) and loading (checkpoint_load.cc) share.
+// Internal to fsdp::dcp (checkpoint/distributed_checkpoint.h): the names of the checkpoint layout
+// and the helpers that saving (dcp_save.cc) and loading (dcp_load.cc) share.
 
 #include <cstdint>
 #include <exception>

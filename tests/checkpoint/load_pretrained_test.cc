@@ -16,10 +16,10 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional/loss.h>
 
+#include "checkpoint/full_state_dict_files.h"
+#include "checkpoint/load_pretrained.h"
+#include "checkpoint/state_dict.h"
 #include "comm/device_mesh.h"
-#include "composable/full_state_dict_files.h"
-#include "composable/load_pretrained.h"
-#include "composable/state_dict.h"
 #include "storage/safetensors.h"
 #include "tests/composable/parity.h"
 #include "tests/composable/tied_models.h"
@@ -435,7 +435,7 @@ FSDP_RANKS_TEST_CASE("load_pretrained: a .pt file of Python's torch.save, stride
                      "[load_pretrained]") {
   PyDict model;
   auto root = fsdp::fully_shard(model, fsdp::FullyShardOptions().communicator(fresh_comm()));
-  const auto result = fsdp::load_pretrained(root, "tests/composable/testdata/python_dict.pt");
+  const auto result = fsdp::load_pretrained(root, "tests/checkpoint/testdata/python_dict.pt");
   Dict expected;
   expected.insert("weight", at::arange(12, at::kFloat).view({3, 4}) / 4);
   expected.insert("column", at::arange(6, at::kDouble).view({2, 3}).t());
@@ -450,7 +450,7 @@ FSDP_RANKS_TEST_CASE("load_pretrained: a .pt file of Python's torch.save, stride
 
   // An OrderedDict (module.state_dict()) is refused with the way out.
   const std::string error =
-      error_of([&] { fsdp::load_pretrained(root, "tests/composable/testdata/python_state_dict.pt"); });
+      error_of([&] { fsdp::load_pretrained(root, "tests/checkpoint/testdata/python_state_dict.pt"); });
   CHECK_THAT(error, Contains("torch.save(dict(model.state_dict()), path)"));
 }
 
