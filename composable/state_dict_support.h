@@ -16,6 +16,7 @@
 #include "composable/fully_shard.h"
 #include "composable/state_dict.h"
 #include "fsdp/flat_param_layout.h"
+#include "fsdp/fsdp_state.h"
 
 namespace fsdp {
 

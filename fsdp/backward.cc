@@ -192,7 +192,7 @@ void pre_backward(FSDPState& unit, int64_t tag) {
   // Not under hybrid sharding: finalizing all-reduces across the replicate group, and a collective
   // issued at a point that depends on timing (whether the reduction has completed) would pair up
   // differently across ranks with the shard group's collectives and deadlock.
-  const auto& replicate = context.awaiting_finalize ? context.awaiting_finalize->config().handle.replicate : nullptr;
+  const auto& replicate = context.awaiting_finalize ? context.awaiting_finalize->config().replicate : nullptr;
   if (FSDPState* previous = replicate && replicate->size() > 1 ? nullptr : context.awaiting_finalize) {
     bool completed = true;
     for (const auto& handle : previous->handles()) completed &= handle->reduction_completed();
@@ -209,7 +209,7 @@ void pre_backward(FSDPState& unit, int64_t tag) {
   context.unshard(unit);
   for (const auto& handle : unit.handles()) handle->prepare_gradient_buffer();
   unit.set_training_state(TrainingState::kPreBackward);
-  if (unit.config().backward_prefetch == BackwardPrefetch::kBackwardPre) prefetch_for_backward(context, unit);
+  if (unit.config().options.backward_prefetch() == BackwardPrefetch::kBackwardPre) prefetch_for_backward(context, unit);
 }
 
 void post_backward(void* arg, int64_t tag) {
@@ -228,7 +228,7 @@ void post_backward(void* arg, int64_t tag) {
   // is meant to be unsharded once through backward (SHARD_GRAD_OP, the root, a unit of sibling
   // modules): then once complete.
   const bool keep_until_complete =
-      !unit.config().reshard_after_forward || (unit.is_root() && !context.root_nested) ||
+      !unit.config().reshard_after_forward() || (unit.is_root() && !context.root_nested) ||
       unit.modules().size() > 1;
   if (!keeps_unsharded_after_backward(unit) && (complete || !keep_until_complete)) context.reshard(unit);
   if (complete) {
@@ -236,7 +236,7 @@ void post_backward(void* arg, int64_t tag) {
     reduce_in_order(context, /*final=*/false);
   }
   // After this unit's gradient computation (and its reduction, once its turn came).
-  if (unit.config().backward_prefetch == BackwardPrefetch::kBackwardPost) prefetch_for_backward(context, unit);
+  if (unit.config().options.backward_prefetch() == BackwardPrefetch::kBackwardPost) prefetch_for_backward(context, unit);
 }
 
 }  // namespace

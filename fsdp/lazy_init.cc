@@ -51,7 +51,7 @@ void lazy_init(FSDPState& state) {
   auto context = std::make_shared<RootContext>();
   context->root = &state;
   context->comm = state.config().comm;
-  context->max_unsharded = std::max(1, state.config().max_unshards_in_flight);
+  context->max_unsharded = std::max(1, state.config().options.max_unshards_in_flight());
   UnitModuleFqns unit_fqns;
   for (const auto& unit : units_in_tree(state.module())) {
     TORCH_CHECK(unit.state->config().comm == context->comm, "fully_shard: unit ",

@@ -7,7 +7,7 @@
 namespace fsdp {
 
 bool RootContext::counted(const FSDPState& unit, const FSDPState& running) const {
-  if (&unit == root || &unit == &running || !unit.config().reshard_after_forward) return false;
+  if (&unit == root || &unit == &running || !unit.config().reshard_after_forward()) return false;
   const auto it = ancestors.find(&running);
   if (it != ancestors.end() && std::find(it->second.begin(), it->second.end(), &unit) != it->second.end()) {
     return false;
@@ -32,7 +32,7 @@ void RootContext::note_unsharded_unit(FSDPState& unit) {
 void RootContext::note_unsharded(const FSDPState& running) {
   // The running unit itself counts when its strategy reshards it.
   int count = unsharded_count(running);
-  if (&running != root && running.config().reshard_after_forward) {
+  if (&running != root && running.config().reshard_after_forward()) {
     for (const auto& h : running.handles()) {
       if (h->is_sharded_strategy()) {
         ++count;
@@ -69,8 +69,8 @@ void RootContext::start_unshard(FSDPState& unit) {
 
 void RootContext::prefetch(FSDPState& unit, const FSDPState& running, bool bounded) {
   if (unit.is_unsharded() || unit.unshard_in_flight()) return;
-  const bool running_counts = &running != root && running.config().reshard_after_forward;
-  if (bounded && unit.config().reshard_after_forward &&
+  const bool running_counts = &running != root && running.config().reshard_after_forward();
+  if (bounded && unit.config().reshard_after_forward() &&
       unsharded_count(running) + (running_counts ? 1 : 0) >= max_unsharded) {
     return;
   }

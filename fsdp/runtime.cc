@@ -189,7 +189,7 @@ void pre_forward(FSDPState& state, contract::ForwardArgs& args) {
   if (first) context.forward_order.push_back(&state);
   context.start_unshard(state);
   // Forward prefetch: the unit that ran after this one in the previous iteration.
-  if (state.config().forward_prefetch || state.forward_prefetch_targets) {
+  if (state.config().options.forward_prefetch() || state.forward_prefetch_targets) {
     const auto* explicit_targets = state.forward_prefetch_targets ? &*state.forward_prefetch_targets : nullptr;
     for (FSDPState* next : prefetch_targets(state, explicit_targets, context.previous_forward_order, +1)) {
       if (next->iteration.ran_forward()) continue;
@@ -200,7 +200,7 @@ void pre_forward(FSDPState& state, contract::ForwardArgs& args) {
   context.unshard(state);
   if (hide && state.is_root()) hide_other_units(context);
   state.set_training_state(TrainingState::kForward);
-  if (const auto dtype = state.config().cast_forward_inputs_to) {
+  if (const auto dtype = state.config().cast_forward_inputs_to()) {
     for (auto& arg : args) {
       arg = contract::map_tensors(arg, [&](const at::Tensor& t) {
         return at::isFloatingType(t.scalar_type()) && t.scalar_type() != *dtype ? t.to(*dtype) : t;
@@ -218,7 +218,7 @@ void post_forward(FSDPState& state, c10::IValue& output) {
   if (context.passthrough) {
     if (!state.is_root()) {
       // Hidden where several ranks would reshard it ([Note: hidden parameters]).
-      if (hide && (state.config().reshard_after_forward || !state.config().handle.shard)) hide_params(state);
+      if (hide && (state.config().reshard_after_forward() || !state.config().shard())) hide_params(state);
       return;
     }
     if (hide) show_all_params(context);
@@ -240,7 +240,7 @@ void post_forward(FSDPState& state, c10::IValue& output) {
   // Siblings: reshard after the last of the unit's modules ran.
   const bool last_module = state.iteration.last_module_ran(state.modules().size());
   const bool kept_after_forward = state.is_root() && !context.root_nested;
-  if (!kept_after_forward && state.config().reshard_after_forward && last_module) context.reshard(state);
+  if (!kept_after_forward && state.config().reshard_after_forward() && last_module) context.reshard(state);
   if (hide && !state.is_root()) hide_params(state);
   const std::vector<at::Tensor> hooked = hook_outputs_for_backward(state, output);
   if (!state.is_root()) return;

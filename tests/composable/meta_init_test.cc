@@ -11,6 +11,7 @@
 
 #include "comm/communicator.h"
 #include "composable/fully_shard.h"
+#include "composable/fully_shard_internal.h"
 #include "composable/state_dict.h"
 #include "init/meta_init.h"
 #include "tests/composable/parity.h"
@@ -161,7 +162,7 @@ TEST_CASE("param_init_fn initializes each rank's parameters, and only those it h
   // The buffer was initialized whole on every rank; each parameter only where this rank holds some of it.
   std::multiset<std::string> expected{"offset"};
   for (const auto& unit : units) {
-    for (const auto& h : unit.state().handles()) {
+    for (const auto& h : fsdp::detail::handles_of(unit)) {
       const int r = h->is_sharded_strategy() ? fsdp::testing::rank() : 0;
       for (size_t i = 0; i < h->params().size(); ++i) {
         if (h->layout().slice_of(i, r).size() > 0) expected.insert(h->params()[i].fqn);
