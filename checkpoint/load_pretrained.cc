@@ -22,6 +22,7 @@
 
 #include "checkpoint/full_state_dict_files.h"
 #include "contract/module_state.h"
+#include "fsdp/fsdp_state.h"
 #include "fsdp/unit_tree.h"
 #include "storage/atomic_directory.h"
 #include "storage/safetensors.h"
@@ -395,7 +396,7 @@ void load_target(const Target& t, const Sources& sources, const LoadPretrainedOp
 struct World {
   std::shared_ptr<comm::Communicator> shard;
   std::shared_ptr<comm::Communicator> replicate;
-  explicit World(const FSDPState& unit) : shard(unit.config().comm), replicate(unit.config().handle.replicate) {}
+  explicit World(const FSDPState& unit) : shard(unit.config().comm), replicate(unit.config().replicate) {}
   int rank() const { return shard->rank() + (replicate ? replicate->rank() * shard->size() : 0); }
 
   // Every rank learns whether any rank failed, and the first failing rank's message.

@@ -20,6 +20,7 @@
 #include <torch/optim/sgd.h>
 
 #include "checkpoint/state_dict_support.h"
+#include "composable/fully_shard_internal.h"
 #include "fsdp/unit_tree.h"
 
 namespace fsdp {
@@ -438,7 +439,7 @@ torch::OrderedDict<std::string, at::Tensor> full_optimizer_state_dict(const FSDP
   const auto placements = parameter_placements(root);
   const auto held = held_parameters(placements, optim);
   const StateAccess access(optim, kind);
-  const auto& root_config = root.state().config();
+  const auto& root_config = detail::state_of(root).config();
   const bool keep = !options.rank0_only() || writes_replicated(root);
   auto finish = [&](at::Tensor t) { return options.offload_to_cpu() ? t.cpu().clone() : t.clone(); };
   c10::NoGradGuard no_grad;
@@ -503,7 +504,7 @@ torch::OrderedDict<std::string, at::Tensor> full_optimizer_state_dict(const FSDP
     for (const auto& h : held) local.push_back(static_cast<double>(access.step(h.placement->param)));
     steps = at::tensor(local, at::kDouble).to(root_config.comm->device());
     root_config.comm->all_reduce(steps, c10d::ReduceOp::MAX, "optimizer_state_dict").wait();
-    if (root_config.handle.replicate) root_config.handle.replicate->all_reduce(steps, c10d::ReduceOp::MAX).wait();
+    if (root_config.replicate) root_config.replicate->all_reduce(steps, c10d::ReduceOp::MAX).wait();
     steps = steps.cpu();
   }
   Dict state;

@@ -15,6 +15,7 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
+#include "composable/fully_shard_internal.h"
 #include "contract/module_state.h"
 #include "fsdp/root_context.h"
 #include "fsdp/unit_tree.h"
@@ -61,7 +62,7 @@ struct WorldGroups {
   std::shared_ptr<comm::Communicator> replicate;  // null without hybrid sharding
 
   explicit WorldGroups(const FSDPModule& root)
-      : shard(root.state().config().comm), replicate(root.state().config().handle.replicate) {}
+      : shard(detail::state_of(root).config().comm), replicate(detail::state_of(root).config().replicate) {}
   int world_rank() const { return shard->rank() + (replicate ? replicate->rank() * shard->size() : 0); }
   int world_size() const { return shard->size() * (replicate ? replicate->size() : 1); }
   at::Device device() const { return shard->device(); }
@@ -255,7 +256,7 @@ std::vector<ParameterPlacement> parameter_placements(const FSDPModule& root) {
       p.global_shape = place.handle->layout().entries[place.index].shape;
       p.flat_offset = p.slice.param_begin;
       p.local_numel = p.slice.size();
-      const bool first_replica = !config.handle.replicate || config.handle.replicate->rank() == 0;
+      const bool first_replica = !config.replicate || config.replicate->rank() == 0;
       p.write = p.sliced ? first_replica : first_replica && config.comm->rank() == 0;
     }
     placements.push_back(std::move(p));

@@ -16,6 +16,7 @@
 #include "checkpoint/state_dict.h"
 #include "composable/fully_shard.h"
 #include "fsdp/flat_param_layout.h"
+#include "fsdp/fsdp_state.h"
 
 namespace fsdp {
 

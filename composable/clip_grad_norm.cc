@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
+#include "composable/fully_shard_internal.h"
 #include "fsdp/unit_tree.h"
 
 namespace fsdp {
@@ -55,7 +56,7 @@ double clip_grad_norm_(const FSDPModule& root, double max_norm, double norm_type
     const double part = inf ? g.abs().max().item<double>() : g.abs().pow(norm_type).sum().item<double>();
     replicated = inf ? std::max(replicated, part) : replicated + part;
   }
-  const auto& comm = root.state().config().comm;
+  const auto& comm = detail::state_of(root).config().comm;
   at::Tensor total = at::tensor({sharded}, at::kDouble).to(comm->device());
   comm->all_reduce(total, inf ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM, "clip_grad_norm_").wait();
   double norm = total.cpu().item<double>();

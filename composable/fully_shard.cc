@@ -17,6 +17,7 @@
 #include "contract/module_fqn.h"
 #include "fsdp/runtime.h"
 #include "fsdp/forward_errors.h"
+#include "fsdp/fsdp_state.h"
 #include "fsdp/gradient_guard.h"
 #include "fsdp/tied_parameters.h"
 #include "fsdp/unit_tree.h"
@@ -226,10 +227,14 @@ std::string agreed_error(comm::Communicator& comm, const std::string& mine, cons
   return message.str();
 }
 
-}  // namespace
+// The phases of fully_shard, in order (each one a function below): check the modules, resolve the
+// options, decide the unit's contents (every check: [Note: all-or-nothing]), take tied parameters
+// over, materialize meta buffers and ignored parameters, sync module states, place buffers, make
+// the unit and register its hooks. Only the phases after decide_unit change anything.
 
-FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const FullyShardOptions& options) {
-  comm::IssuingApi issuing_api("fully_shard");
+// The modules may become one unit: not null, not under replicate or fully_shard, no unit above
+// them, siblings, and run through hook-able holders.
+void check_modules(const std::vector<torch::nn::Module*>& modules) {
   TORCH_CHECK(!modules.empty(), "fully_shard: expected at least one module, got none");
   auto& registry = contract::ModuleStateRegistry::global();
   for (size_t i = 0; i < modules.size(); ++i) {
@@ -248,80 +253,133 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
     }
   }
   check_modules_can_run_hooks(modules);  // [Note: refused modules] in fsdp/forward_errors.h
-  TORCH_CHECK(!(options.mesh() && options.communicator()), "fully_shard: give either a "
-              "communicator or a mesh (hybrid sharding), not both");
-  std::shared_ptr<comm::Communicator> comm =
-      options.mesh() ? options.mesh()->shard_group() : options.communicator();
-  if (!comm) comm = comm::default_process_group().comm;
-  TORCH_CHECK(!options.mesh() || options.strategy() != ShardingStrategy::kNoShard,
-              "fully_shard: NO_SHARD with a mesh: use a mesh of shard size 1 instead");
+}
+
+// The unit's name in errors: its modules' descriptions, joined by " + ".
+std::string unit_fqn(const std::vector<torch::nn::Module*>& modules) {
+  auto& registry = contract::ModuleStateRegistry::global();
   std::string fqn;
   for (auto* m : modules) fqn += (fqn.empty() ? "" : " + ") + registry.describe(*m);
+  return fqn;
+}
 
-  // [Note: all-or-nothing] Everything that can refuse the call is checked before anything
-  // changes (the tied-parameter moves, meta materialization, the sync broadcast, buffer casts and
-  // the FlatParameters come after), including what only the FlatParamHandle constructor used to
-  // check (floating-point mixed-precision dtypes, one device per FlatParameter). When this call
-  // communicates (several ranks, and sync_module_states, a mesh, or units below whose tied
-  // parameters may move here), the ranks exchange the outcome of the checks first, so a check
-  // that fails on some ranks only fails on every rank before any collective, with the same error.
-  const bool may_communicate = comm->size() > 1 && (options.sync_module_states() || options.mesh() ||
-                                                    has_unit_inside(modules));
+// Options that contradict each other, refused alike on every rank (they are the same everywhere).
+void check_options(const FullyShardOptions& options, const std::string& fqn) {
+  TORCH_CHECK(!(options.mesh() && options.communicator()), "fully_shard: give either a "
+              "communicator or a mesh (hybrid sharding), not both");
+  TORCH_CHECK(!options.mesh() || options.strategy() != ShardingStrategy::kNoShard,
+              "fully_shard: NO_SHARD with a mesh: use a mesh of shard size 1 instead");
+  const std::string conflict = strategy_conflict(options);
+  TORCH_CHECK(conflict.empty(), "fully_shard: module ", fqn, " was given ", conflict,
+              ", which contradict each other (FULL_SHARD reshards after forward; SHARD_GRAD_OP and "
+              "NO_SHARD do not). Give one of them: reshard_after_forward(...) alone is the shorthand "
+              "for FULL_SHARD (true) or SHARD_GRAD_OP (false)");
+}
+
+// The options, whole, with what they resolve to: the communicators, the shards' device and how
+// meta tensors get their values. Changes nothing.
+FSDPConfig resolve_config(const FullyShardOptions& options, const std::string& fqn) {
+  FSDPConfig config;
+  config.options = options;
+  config.comm = options.mesh() ? options.mesh()->shard_group() : options.communicator();
+  if (!config.comm) config.comm = comm::default_process_group().comm;
+  if (options.mesh()) config.replicate = options.mesh()->replicate_group();
+  config.device = options.device().value_or(config.comm->device());
+  const TensorInitFn init_fn = options.param_init_fn();
+  config.meta_values = [init_fn, fqn](const std::string& name, const at::Tensor& t) {
+    if (!init_fn) return materialize_values(t, fqn + " '" + name + "'");
+    at::Tensor values = at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()));
+    init_fn(name, values);
+    return values;
+  };
+  return config;
+}
+
+// What a new unit consists of, decided before anything changes.
+struct UnitContents {
   IgnoredStates ignored;
   TiedParameterPlan tied;
-  std::vector<FlatParamHandle::OrigParam> params;
-  std::vector<at::Tensor> buffers;
+  std::vector<FlatParamHandle::OrigParam> params;  // what its FlatParameters will hold
+  std::vector<at::Tensor> buffers;                 // not ignored: moved to the device and cast
   std::vector<std::pair<std::string, at::Tensor>> meta_tensors;  // parameters and buffers, with their FQNs
-  const at::Device target = options.device().value_or(comm->device());
-  const MixedPrecision& mp = options.mixed_precision();
+};
+
+// Every parameter of the trees not already in another unit, in named_parameters order (module by
+// module), once per tensor (a tied parameter's first FQN owns it). A tied parameter another unit
+// manages moves here when this is the innermost unit containing every module using it ([Note:
+// tied parameters] in fsdp/tied_parameters.h); deciding changes nothing.
+UnitContents collect_contents(const std::vector<torch::nn::Module*>& modules, const FSDPConfig& config,
+                              const std::string& fqn) {
+  UnitContents unit;
+  const at::Device target = config.device;
+  unit.ignored = resolve_ignored(modules, config.options, fqn);
+  unit.tied = plan_tied_parameters(modules, fqn);
+  const auto& owned = unit.tied.stay;
+  std::unordered_set<const void*> seen;
+  for (size_t i = 0; i < modules.size(); ++i) {
+    const std::string prefix = modules.size() > 1 ? std::to_string(i) + ":" : "";
+    for (const auto& item : modules[i]->named_parameters(/*recurse=*/true)) {
+      const at::Tensor& p = item.value();
+      const void* impl = p.unsafeGetTensorImpl();
+      if (owned.count(impl) || unit.ignored.param_impls.count(impl) || !seen.insert(impl).second) continue;
+      TORCH_CHECK(at::isFloatingType(p.scalar_type()), "fully_shard: module ", fqn,
+                  " has parameter '", item.key(), "' of dtype ", p.scalar_type(),
+                  "; only floating-point parameters can be sharded (list it in FullyShardOptions::ignored_params "
+                  "to keep it whole and local)");
+      TORCH_CHECK(p.is_meta() || p.device().type() == target.type() || p.device().is_cpu(), "fully_shard: module ",
+                  fqn, " has parameter '", item.key(), "' on ", p.device(), " but its shards go to ",
+                  target, "; build the model on the CPU or on ", target.type());
+      unit.params.push_back({prefix + item.key(), p});
+    }
+    for (const auto& item : modules[i]->named_buffers(/*recurse=*/true)) {
+      const at::Tensor& b = item.value();
+      if (!unit.ignored.buffer_impls.count(b.unsafeGetTensorImpl())) unit.buffers.push_back(b);
+      if (b.is_meta()) unit.meta_tensors.push_back({prefix + item.key(), b});
+    }
+    for (const auto& item : modules[i]->named_parameters(/*recurse=*/true)) {
+      if (item.value().is_meta()) unit.meta_tensors.push_back({prefix + item.key(), item.value()});
+    }
+  }
+  return unit;
+}
+
+// The checks of the contents that the later phases (and the FlatParamHandle constructor) would
+// otherwise fail only after the model was changed.
+void check_contents(const UnitContents& unit, const FSDPConfig& config, const std::string& fqn) {
+  const FullyShardOptions& options = config.options;
+  // [Note: meta-device models]: every meta tensor must have a way to get its values.
+  for (const auto& [name, t] : unit.meta_tensors) {
+    TORCH_CHECK(options.param_init_fn() || has_recorded_init(t), "fully_shard: module ", fqn, " has '",
+                name, "' on the meta device with no recorded initialization (it was not built inside an "
+                "fsdp::MetaInitGuard); give FullyShardOptions::param_init_fn to initialize it");
+  }
+  TORCH_CHECK(config.device.type() == config.comm->device().type(), "fully_shard: module ", fqn,
+              " would keep its shards on ", config.device, " but the communicator works on ", config.comm->device());
+  check_mixed_precision(options.mixed_precision(), fqn);
+  std::unordered_set<const void*> moving;
+  for (const auto& move : unit.tied.moves) moving.insert(move.param);
+  check_one_device_per_flat_param(unit.params, moving, fqn);
+  TORCH_CHECK(options.max_unshards_in_flight() >= 1, "fully_shard: max_unshards_in_flight must be "
+              "at least 1, got ", options.max_unshards_in_flight());
+}
+
+// [Note: all-or-nothing] Everything that can refuse the call is checked before anything changes
+// (the tied-parameter moves, meta materialization, the sync broadcast, buffer casts and the
+// FlatParameters come after), including what only the FlatParamHandle constructor used to check
+// (floating-point mixed-precision dtypes, one device per FlatParameter). When this call
+// communicates (several ranks, and sync_module_states, a mesh, or units below whose tied
+// parameters may move here), the ranks exchange the outcome of the checks first, so a check that
+// fails on some ranks only fails on every rank before any collective, with the same error.
+UnitContents decide_unit(const std::vector<torch::nn::Module*>& modules, const FSDPConfig& config,
+                         const std::string& fqn) {
+  const FullyShardOptions& options = config.options;
+  const bool may_communicate = config.comm->size() > 1 && (options.sync_module_states() || options.mesh() ||
+                                                           has_unit_inside(modules));
+  UnitContents unit;
   std::string refused;  // this rank's error, when may_communicate
   try {
-    // Every parameter of the trees not already in another unit, in named_parameters order
-    // (module by module), once per tensor (a tied parameter's first FQN owns it). A tied parameter
-    // another unit manages moves here when this is the innermost unit containing every module using
-    // it ([Note: tied parameters] in fsdp/tied_parameters.h); deciding changes nothing.
-    ignored = resolve_ignored(modules, options, fqn);
-    tied = plan_tied_parameters(modules, fqn);
-    const auto& owned = tied.stay;
-    std::unordered_set<const void*> moving;
-    for (const auto& move : tied.moves) moving.insert(move.param);
-    std::unordered_set<const void*> seen;
-    for (size_t i = 0; i < modules.size(); ++i) {
-      const std::string prefix = modules.size() > 1 ? std::to_string(i) + ":" : "";
-      for (const auto& item : modules[i]->named_parameters(/*recurse=*/true)) {
-        const at::Tensor& p = item.value();
-        const void* impl = p.unsafeGetTensorImpl();
-        if (owned.count(impl) || ignored.param_impls.count(impl) || !seen.insert(impl).second) continue;
-        TORCH_CHECK(at::isFloatingType(p.scalar_type()), "fully_shard: module ", fqn,
-                    " has parameter '", item.key(), "' of dtype ", p.scalar_type(),
-                    "; only floating-point parameters can be sharded (list it in FullyShardOptions::ignored_params "
-                    "to keep it whole and local)");
-        TORCH_CHECK(p.is_meta() || p.device().type() == target.type() || p.device().is_cpu(), "fully_shard: module ",
-                    fqn, " has parameter '", item.key(), "' on ", p.device(), " but its shards go to ",
-                    target, "; build the model on the CPU or on ", target.type());
-        params.push_back({prefix + item.key(), p});
-      }
-      for (const auto& item : modules[i]->named_buffers(/*recurse=*/true)) {
-        const at::Tensor& b = item.value();
-        if (!ignored.buffer_impls.count(b.unsafeGetTensorImpl())) buffers.push_back(b);
-        if (b.is_meta()) meta_tensors.push_back({prefix + item.key(), b});
-      }
-      for (const auto& item : modules[i]->named_parameters(/*recurse=*/true)) {
-        if (item.value().is_meta()) meta_tensors.push_back({prefix + item.key(), item.value()});
-      }
-    }
-    // [Note: meta-device models]: every meta tensor must have a way to get its values.
-    for (const auto& [name, t] : meta_tensors) {
-      TORCH_CHECK(options.param_init_fn() || has_recorded_init(t), "fully_shard: module ", fqn, " has '",
-                  name, "' on the meta device with no recorded initialization (it was not built inside an "
-                  "fsdp::MetaInitGuard); give FullyShardOptions::param_init_fn to initialize it");
-    }
-    TORCH_CHECK(target.type() == comm->device().type(), "fully_shard: module ", fqn,
-                " would keep its shards on ", target, " but the communicator works on ", comm->device());
-    check_mixed_precision(mp, fqn);
-    check_one_device_per_flat_param(params, moving, fqn);
-    TORCH_CHECK(options.max_unshards_in_flight() >= 1, "fully_shard: max_unshards_in_flight must be "
-                "at least 1, got ", options.max_unshards_in_flight());
+    unit = collect_contents(modules, config, fqn);
+    check_contents(unit, config, fqn);
   } catch (const c10::Error& error) {
     if (!may_communicate) throw;
     refused = error.what_without_backtrace();
@@ -329,75 +387,64 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
   if (may_communicate) {
     // Both exchanges before any rank throws: with a mesh the sync broadcast also crosses the
     // replicate groups.
-    std::string error = agreed_error(*comm, refused, fqn);
-    if (options.mesh()) {
-      std::string across = agreed_error(*options.mesh()->replicate_group(), error, fqn);
+    std::string error = agreed_error(*config.comm, refused, fqn);
+    if (config.replicate) {
+      std::string across = agreed_error(*config.replicate, error, fqn);
       if (!across.empty()) error = std::move(across);
     }
     TORCH_CHECK(error.empty(), error);
   }
+  return unit;
+}
 
-  FSDPConfig config;
-  config.comm = comm;
-  config.handle.shard = options.strategy() != ShardingStrategy::kNoShard;
-  config.handle.device = target;
-  if (options.mesh()) config.handle.replicate = options.mesh()->replicate_group();
-  config.handle.param_dtype = mp.param_dtype();
-  config.handle.reduce_dtype = mp.reduce_dtype();
-  if (mp.param_dtype() && mp.cast_forward_inputs()) config.cast_forward_inputs_to = mp.param_dtype();
-  config.handle.offload_to_cpu = options.offload_to_cpu();
-  const TensorInitFn init_fn = options.param_init_fn();
-  auto meta_values = [init_fn, fqn](const std::string& name, const at::Tensor& t) {
-    if (!init_fn) return materialize_values(t, fqn + " '" + name + "'");
-    at::Tensor values = at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()));
-    init_fn(name, values);
-    return values;
-  };
-  config.handle.meta_values = meta_values;
-  config.forward_prefetch = options.forward_prefetch();
-  config.backward_prefetch = options.backward_prefetch();
-  config.max_unshards_in_flight = options.max_unshards_in_flight();
-  config.reshard_after_forward = options.strategy() == ShardingStrategy::kFullShard;
-
-  // Tied parameters moving into this unit get their full-precision values back, and the units
-  // they leave are rebuilt (collective). After every check: errors above change nothing.
-  take_tied_parameters(tied);
-
-  // Meta buffers and ignored parameters are materialized whole, where the shards go (ignored ones
-  // have no device of their own to stay on). Meta parameters are materialized by their handles.
-  {
-    c10::NoGradGuard no_grad;
-    std::unordered_set<const void*> sharded;
-    for (const auto& p : params) sharded.insert(p.param.unsafeGetTensorImpl());
-    for (const auto& [name, t] : meta_tensors) {
-      if (t.is_meta() && !sharded.count(t.unsafeGetTensorImpl())) adopt_values(t, meta_values(name, t).to(target));
+// Meta buffers and ignored parameters are materialized whole, where the shards go (ignored ones
+// have no device of their own to stay on). Meta parameters are materialized by their handles.
+void materialize_unsharded_meta(const UnitContents& unit, const FSDPConfig& config) {
+  c10::NoGradGuard no_grad;
+  std::unordered_set<const void*> sharded;
+  for (const auto& p : unit.params) sharded.insert(p.param.unsafeGetTensorImpl());
+  for (const auto& [name, t] : unit.meta_tensors) {
+    if (t.is_meta() && !sharded.count(t.unsafeGetTensorImpl())) {
+      adopt_values(t, config.meta_values(name, t).to(config.device));
     }
   }
-  if (options.sync_module_states()) {
-    // Meta parameters need none: their materialization gives every rank the same values.
-    std::vector<at::Tensor> tensors;
-    for (const auto& p : params) {
-      if (!p.param.is_meta()) tensors.push_back(p.param);
-    }
-    tensors.insert(tensors.end(), buffers.begin(), buffers.end());
-    // With a mesh: world rank 0 -> the first rank of every shard group -> every rank.
-    if (options.mesh()) broadcast_from_rank0(tensors, *options.mesh()->replicate_group());
-    broadcast_from_rank0(tensors, *comm);
-  }
-  {
-    c10::NoGradGuard no_grad;
-    for (auto& b : buffers) {
-      const bool cast = mp.buffer_dtype() && at::isFloatingType(b.scalar_type());
-      if (b.device() != target || cast) b.set_data(b.to(target, cast ? *mp.buffer_dtype() : b.scalar_type()));
-    }
-  }
+}
 
+// sync_module_states: rank 0's parameters and buffers everywhere. Meta parameters need none:
+// their materialization gives every rank the same values.
+void sync_module_states(const UnitContents& unit, const FSDPConfig& config) {
+  std::vector<at::Tensor> tensors;
+  for (const auto& p : unit.params) {
+    if (!p.param.is_meta()) tensors.push_back(p.param);
+  }
+  tensors.insert(tensors.end(), unit.buffers.begin(), unit.buffers.end());
+  // With a mesh: world rank 0 -> the first rank of every shard group -> every rank.
+  if (config.replicate) broadcast_from_rank0(tensors, *config.replicate);
+  broadcast_from_rank0(tensors, *config.comm);
+}
+
+// The unit's buffers go where the shards go, floating-point ones cast to the buffer dtype.
+void place_buffers(const std::vector<at::Tensor>& buffers, const FSDPConfig& config) {
+  c10::NoGradGuard no_grad;
+  const auto& buffer_dtype = config.options.mixed_precision().buffer_dtype();
+  for (const auto& b : buffers) {
+    const bool cast = buffer_dtype && at::isFloatingType(b.scalar_type());
+    if (b.device() != config.device || cast) {
+      b.set_data(b.to(config.device, cast ? *buffer_dtype : b.scalar_type()));
+    }
+  }
+}
+
+// Makes the FlatParameters (sharding the parameters) and registers the unit's state and forward
+// hooks on each of its modules.
+std::shared_ptr<FSDPState> register_unit(const std::vector<torch::nn::Module*>& modules, const std::string& fqn,
+                                         const FSDPConfig& config, const UnitContents& unit) {
   std::shared_ptr<FSDPState> state;
   for (torch::nn::Module* module : modules) {
     state = contract::apply_api(kFullyShardApi, *module, [&](torch::nn::Module& m) {
       if (!state) {
-        state = std::make_shared<FSDPState>(modules, fqn, config, FSDPState::make_handles(params, config, fqn));
-        state->set_ignored(ignored.params, ignored.buffers);
+        state = std::make_shared<FSDPState>(modules, fqn, config, FSDPState::make_handles(unit.params, config, fqn));
+        state->set_ignored(unit.ignored.params, unit.ignored.buffers);
       }
       FSDPState* raw = state.get();  // owned by the registry for the modules' lifetime
       // The guard calls: [Note: first-iteration gradient guard] and [Note: forward errors] in
@@ -420,24 +467,70 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
       return state;
     });
   }
-  return FSDPModule(std::move(state));
+  return state;
+}
+
+}  // namespace
+
+FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const FullyShardOptions& options) {
+  comm::IssuingApi issuing_api("fully_shard");
+  check_modules(modules);
+  const std::string fqn = unit_fqn(modules);
+  check_options(options, fqn);
+  const FSDPConfig config = resolve_config(options, fqn);
+  const UnitContents unit = decide_unit(modules, config, fqn);
+  // After every check: errors above change nothing. Tied parameters moving into this unit get
+  // their full-precision values back, and the units they leave are rebuilt (collective).
+  take_tied_parameters(unit.tied);
+  materialize_unsharded_meta(unit, config);
+  if (options.sync_module_states()) sync_module_states(unit, config);
+  place_buffers(unit.buffers, config);
+  return FSDPModule(register_unit(modules, fqn, config, unit));
 }
 
 FSDPModule fully_shard(torch::nn::Module& module, const FullyShardOptions& options) {
   return fully_shard(std::vector<torch::nn::Module*>{&module}, options);
 }
 
+FSDPModule::FSDPModule(std::shared_ptr<FSDPState> state) : state_(std::move(state)) {}
+
+void FSDPModule::unshard() { state_->unshard(); }
+
+void FSDPModule::reshard() { state_->reshard(); }
+
+torch::nn::Module& FSDPModule::module() const { return state_->module(); }
+
+const std::vector<torch::nn::Module*>& FSDPModule::modules() const { return state_->modules(); }
+
+const std::string& FSDPModule::fqn() const { return state_->fqn(); }
+
+const FullyShardOptions& FSDPModule::options() const { return state_->config().options; }
+
+bool FSDPModule::manages(const at::Tensor& param) const { return state_->manages(param); }
+
+bool FSDPModule::ignores(const at::Tensor& param) const { return state_->ignores(param); }
+
+int64_t FSDPModule::sharded_param_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& h : state_->handles()) bytes += static_cast<int64_t>(h->local_shard().nbytes());
+  return bytes;
+}
+
+int64_t FSDPModule::sharded_grad_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& h : state_->handles()) bytes += static_cast<int64_t>(h->sharded_grad_bytes());
+  return bytes;
+}
+
 void FSDPModule::set_requires_gradient_sync(bool sync, bool recurse) {
   for_each_unit(recurse, [sync](FSDPState& unit) { unit.set_requires_gradient_sync(sync); });
 }
 
-namespace {
-std::vector<FSDPState*> states_of(const std::vector<FSDPModule>& units) {
+std::vector<FSDPState*> FSDPModule::states_of(const std::vector<FSDPModule>& units) {
   std::vector<FSDPState*> states;
-  for (const auto& u : units) states.push_back(&u.state());
+  for (const auto& u : units) states.push_back(u.state_.get());
   return states;
 }
-}  // namespace
 
 void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& units) {
   state_->set_forward_prefetch_targets(states_of(units));

@@ -56,121 +56,36 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
-#include <torch/arg.h>
+#include <ATen/core/Tensor.h>
 #include <torch/nn/pimpl.h>
 
-#include "comm/communicator.h"
-#include "comm/device_mesh.h"
 #include "contract/forward_hooks.h"
-#include "fsdp/fsdp_state.h"
+#include "fsdp/options.h"
 #include "init/meta_init.h"
 
 namespace fsdp {
 
-/// How a unit keeps its parameters (FSDP1's sharding strategies).
-enum class ShardingStrategy {
-  /// Sharded; unsharded for forward, freed, all-gathered again for backward (ZeRO-3).
-  kFullShard,
-  /// Sharded; unsharded from forward to the end of backward: no backward all-gather.
-  kShardGradOp,
-  /// Replicated on every rank; gradients all-reduced (DDP semantics), no all-gathers.
-  kNoShard,
-};
+class FSDPState;
+namespace detail {
+struct FSDPModuleAccess;  // composable/fully_shard_internal.h: the project's own access to the engine
+}  // namespace detail
 
-/// Mixed precision (FSDP's MixedPrecision): parameters all-gathered and computed in `param_dtype`,
-/// gradients reduced in `reduce_dtype`; the sharded parameters, the gradients after sync and the
-/// optimizer state stay in full precision.
-///
-///   fsdp::FullyShardOptions().mixed_precision(
-///       fsdp::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
-struct MixedPrecision {
-  /// The dtype of the unsharded parameters (all-gathers carry it). Unset: no mixed precision.
-  TORCH_ARG(std::optional<c10::ScalarType>, param_dtype) = std::nullopt;
-  /// The dtype gradients are reduce-scattered (all-reduced) in. Unset: param_dtype if set.
-  /// While accumulating without sync, gradients are kept in this dtype.
-  TORCH_ARG(std::optional<c10::ScalarType>, reduce_dtype) = std::nullopt;
-  /// The dtype the module's floating-point buffers are cast to. Unset: unchanged.
-  TORCH_ARG(std::optional<c10::ScalarType>, buffer_dtype) = std::nullopt;
-  /// Cast floating-point forward inputs to param_dtype in pre-forward.
-  TORCH_ARG(bool, cast_forward_inputs) = true;
-};
-
-/// Options of fully_shard, in the LibTorch style:
-///
-///   fsdp::fully_shard(*block, fsdp::FullyShardOptions().reshard_after_forward(false));
-struct FullyShardOptions {
-  /// The ranks to shard across. Default: fsdp::comm::default_process_group() (call
-  /// fsdp::comm::init_process_group() first).
-  TORCH_ARG(std::shared_ptr<comm::Communicator>, communicator) = nullptr;
-  /// FULL_SHARD by default. The root unit always keeps its parameters from forward to backward.
-  TORCH_ARG(ShardingStrategy, strategy) = ShardingStrategy::kFullShard;
-  /// Broadcast rank 0's parameters and buffers before sharding, so that ranks which initialised
-  /// differently start equal.
-  TORCH_ARG(bool, sync_module_states) = false;
-  /// Hybrid sharding (HSDP): shard inside the mesh's shard groups, all-reduce gradients across its
-  /// replicate groups (fsdp::comm::DeviceMesh::hybrid). Excludes `communicator`.
-  TORCH_ARG(std::shared_ptr<comm::DeviceMesh>, mesh) = nullptr;
-  /// Forward prefetch: a unit's pre-forward also issues the all-gather of the unit that ran after
-  /// it in the previous iteration (overlapping it with this unit's forward).
-  TORCH_ARG(bool, forward_prefetch) = false;
-  /// When backward all-gathers the next unit: before (default) or after the current unit's
-  /// gradient computation, or not at all.
-  TORCH_ARG(BackwardPrefetch, backward_prefetch) = BackwardPrefetch::kBackwardPre;
-  /// The most units unsharded at once (set on the root; default 2), counting the unit running and
-  /// the ones prefetched for it, but not the root, the units running around it, nor units kept
-  /// unsharded by SHARD_GRAD_OP: a prefetch that would exceed it is skipped, bounding the
-  /// unsharded memory (1 turns prefetching off).
-  TORCH_ARG(int, max_unshards_in_flight) = 2;
-  /// CPU offload (FSDP's CPUOffload(offload_params=True)): shards and sharded gradients live in
-  /// host memory, pinned when computing on CUDA; the optimizer steps on the host.
-  TORCH_ARG(bool, offload_to_cpu) = false;
-  /// Mixed precision (see MixedPrecision).
-  TORCH_ARG(MixedPrecision, mixed_precision) = {};
-  /// The device the shards (and the module's buffers) live on, e.g. cuda:LOCAL_RANK for a model
-  /// built on the CPU: only the shards move. Default: where the parameters are.
-  TORCH_ARG(std::optional<at::Device>, device) = std::nullopt;
-  /// Parameters of the module's tree this unit leaves alone ([Note: ignored parameters]): they
-  /// stay whole and local on every rank, in no FlatParameter, never all-gathered nor reduced.
-  ///
-  ///   fsdp::fully_shard(*model, fsdp::FullyShardOptions().ignored_params({model->scale}));
-  TORCH_ARG(std::vector<at::Tensor>, ignored_params) = {};
-  /// Modules inside the module whose parameters (those of their whole trees) and buffers this
-  /// unit leaves alone, as ignored_params; no unit may be inside them.
-  ///
-  ///   fsdp::fully_shard(*model, fsdp::FullyShardOptions().ignored_modules({model->head.ptr()}));
-  TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, ignored_modules) = {};
-  /// Initializes the unit's meta parameters and buffers ([Note: meta-device models]) instead of
-  /// replaying what MetaInitGuard recorded (FSDP1's param_init_fn, one tensor at a time): called
-  /// with each meta tensor's FQN relative to the module (a unit of several modules prefixes it
-  /// with the module's index and ':') and an uninitialized CPU tensor of its shape and dtype to
-  /// fill. Called only for parameters this rank holds part of, and for every buffer. Must give
-  /// every rank the same values.
-  ///
-  ///   fsdp::fully_shard(*block, fsdp::FullyShardOptions().param_init_fn(
-  ///       [](const std::string& fqn, at::Tensor& v) { v.normal_(0, 0.02); }));
-  TORCH_ARG(TensorInitFn, param_init_fn) = nullptr;
-
- public:
-  /// Shorthand for the strategy: true = kFullShard, false = kShardGradOp (FSDP2's option).
-  FullyShardOptions& reshard_after_forward(bool value) {
-    strategy_ = value ? ShardingStrategy::kFullShard : ShardingStrategy::kShardGradOp;
-    return *this;
-  }
-  bool reshard_after_forward() const { return strategy_ == ShardingStrategy::kFullShard; }
-};
+// FullyShardOptions, ShardingStrategy, BackwardPrefetch and MixedPrecision: fsdp/options.h.
 
 /// What fully_shard returns: the unit, with on-demand unshard/reshard.
 class FSDPModule {
  public:
-  explicit FSDPModule(std::shared_ptr<FSDPState> state) : state_(std::move(state)) {}
+  /// Made by fully_shard and fsdp_module_of.
+  explicit FSDPModule(std::shared_ptr<FSDPState> state);
 
   /// All-gathers this unit's parameters: they become full-shape views until reshard().
-  void unshard() { state_->unshard(); }
+  void unshard();
   /// Frees the unsharded parameters: they become views of this rank's shard again.
-  void reshard() { state_->reshard(); }
+  void reshard();
 
   /// Gradient accumulation (FSDP2's set_requires_gradient_sync): with `sync` false, backward keeps
   /// accumulating unsharded gradients and issues no reduce-scatter; the next backward with sync
@@ -192,11 +107,26 @@ class FSDPModule {
   /// gradients accumulate without sync; a backward with sync always reshards).
   void set_reshard_after_backward(bool reshard, bool recurse = true);
 
-  torch::nn::Module& module() const { return state_->module(); }
-  FSDPState& state() const { return *state_; }
-  const std::vector<std::unique_ptr<FlatParamHandle>>& handles() const { return state_->handles(); }
+  /// The unit's (first) module, and all of them (a unit of several sibling modules).
+  torch::nn::Module& module() const;
+  const std::vector<torch::nn::Module*>& modules() const;
+  /// The unit's name in errors: its module's FQN (relative to the root once the root's first
+  /// forward ran, "<root>" for the root).
+  const std::string& fqn() const;
+  /// The options the unit was made with, as given to fully_shard.
+  const FullyShardOptions& options() const;
+  /// Whether `param` (by tensor identity) is in one of the unit's FlatParameters.
+  bool manages(const at::Tensor& param) const;
+  /// Whether `param` is one of the unit's ignored parameters ([Note: ignored parameters]).
+  bool ignores(const at::Tensor& param) const;
+  /// Bytes this rank holds now for the unit: its shards of the FlatParameters, and the sharded
+  /// gradients (the parameters' `.grad`, 0 after zero_grad with set_to_none).
+  int64_t sharded_param_bytes() const;
+  int64_t sharded_grad_bytes() const;
 
  private:
+  friend struct detail::FSDPModuleAccess;
+  static std::vector<FSDPState*> states_of(const std::vector<FSDPModule>& units);
   void for_each_unit(bool recurse, const std::function<void(FSDPState&)>& fn) const;
   std::shared_ptr<FSDPState> state_;
 };
@@ -208,7 +138,9 @@ class FSDPModule {
 /// module's FQN and leave the model as it was: every check runs before anything changes, and a
 /// call that communicates (sync_module_states, a mesh, units below it) first exchanges the
 /// checks' outcome, so every rank refuses it with the same error ([Note: all-or-nothing] in
-/// fully_shard.cc).
+/// fully_shard.cc). Options that contradict each other (a strategy(...) and a
+/// reshard_after_forward(...) that disagree, a mesh with a communicator or with NO_SHARD) are
+/// refused on every rank before anything else.
 FSDPModule fully_shard(torch::nn::Module& module, const FullyShardOptions& options = {});
 
 /// One unit over several sibling modules: unsharded

@@ -9,6 +9,7 @@
 #include "contract/module_fqn.h"
 #include "contract/module_state.h"
 #include "fsdp/forward_errors.h"
+#include "fsdp/fsdp_state.h"
 
 namespace fsdp {
 namespace {

@@ -13,6 +13,7 @@
 #include "contract/module_fqn.h"
 #include "contract/module_state.h"
 #include "fsdp/fsdp_state.h"
+#include "fsdp/tied_parameters.h"
 #include "fsdp/unit_tree.h"
 
 namespace fsdp {
@@ -25,14 +26,6 @@ bool strictly_inside(const std::string& outer, const std::string& inner) {
   if (inner == outer) return false;
   return outer.empty() || (inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 &&
                            inner[outer.size()] == '.');
-}
-
-bool within(const std::string& fqn, const std::string& ancestor) {
-  return fqn == ancestor || strictly_inside(ancestor, fqn);
-}
-
-std::string join_fqn(const std::string& prefix, const std::string& name) {
-  return prefix.empty() ? name : prefix + "." + name;
 }
 
 std::string shape_string(at::IntArrayRef shape) {
@@ -84,11 +77,11 @@ HandlePlan plan_handle(const FlatParamHandle& handle, const FSDPConfig& config) 
   h.reduce_dtype = handle.reduce_dtype();
   h.trainable = handle.requires_grad();
   h.sharded = handle.is_sharded_strategy();
-  h.offload_to_cpu = config.handle.offload_to_cpu;
+  h.offload_to_cpu = config.options.offload_to_cpu();
   const bool mixed_precision = h.compute_dtype != h.dtype;
   // As FlatParamHandle keeps them (flat_param_handle.cc: needs_unsharded_buffer, compute_shard_).
   h.unsharded_buffer = h.sharded || mixed_precision || h.offload_to_cpu;
-  const at::Device compute_device = config.handle.device.value_or(handle.local_shard().device());
+  const at::Device compute_device = config.device;
   h.compute_copy = mixed_precision || (h.offload_to_cpu && !compute_device.is_cpu());
   h.num_params = static_cast<int64_t>(layout.entries.size());
   for (const auto& e : layout.entries) h.numel += e.numel;
@@ -168,19 +161,15 @@ ShardingPlan plan(const FSDPModule& root, const PlanOptions& options) {
   return plan(root.module(), options);
 }
 
-ShardingPlan plan(torch::nn::Module& root_module, const PlanOptions& options) {
-  const std::shared_ptr<FSDPState> root = root_state_of(root_module);
-  ShardingPlan result;
-  result.options = options;
-  const FSDPConfig& root_config = root->config();
-  result.rank = root_config.comm->rank();
-  const int shard_size = root_config.comm->size();
-  const auto& replicate = root_config.handle.replicate;
-  result.world_size = shard_size * (replicate ? replicate->size() : 1);
-  result.max_unshards_in_flight = std::max(1, root_config.max_unshards_in_flight);
+namespace {
 
-  // The units, as lazy initialisation will see them (fsdp/lazy_init.cc): one per state, named by
-  // the FQNs of its modules in the root's tree.
+// The phases of plan(), in order: the units of the root's tree, each unit's settings, each
+// handle's memory and communication, then the tree-wide figures (unsharded peaks, tied and
+// unmanaged parameters).
+
+// The units, as lazy initialisation will see them (fsdp/lazy_init.cc): one per state, named by
+// the FQNs of its modules in the root's tree. Returns the states, in the order of result.units.
+std::vector<std::shared_ptr<FSDPState>> plan_units(torch::nn::Module& root_module, ShardingPlan& result) {
   std::vector<std::shared_ptr<FSDPState>> states;
   std::unordered_map<const FSDPState*, size_t> index;
   for (const auto& unit : units_in_tree(root_module)) {
@@ -193,110 +182,113 @@ ShardingPlan plan(torch::nn::Module& root_module, const PlanOptions& options) {
     }
     result.units[it->second].module_fqns.push_back(unit.fqn);
   }
+  return states;
+}
 
-  // Whether every handle of the tree runs as a passthrough (one rank, nothing to gather or copy):
-  // then autograd writes the parameters' gradients itself, without the FlatParameter's padding.
-  bool passthrough = true;
-  for (const auto& state : states) {
-    for (const auto& h : state->handles()) passthrough &= h->passthrough();
+// Whether one of `outer`'s modules strictly contains one of `inner`'s.
+bool contains(const UnitPlan& outer, const UnitPlan& inner) {
+  bool found = false;
+  for (const auto& o : outer.module_fqns) {
+    for (const auto& i : inner.module_fqns) found |= strictly_inside(o, i);
   }
+  return found;
+}
 
-  const int tensors_per_param = optimizer_tensors_per_param(options);
-  std::vector<int64_t> optimizer_per_rank(static_cast<size_t>(shard_size), 0);
-  std::vector<int64_t> offloaded_optimizer_per_rank(static_cast<size_t>(shard_size), 0);
-  for (size_t u = 0; u < states.size(); ++u) {
-    const FSDPState& state = *states[u];
-    const FSDPConfig& config = state.config();
-    UnitPlan& unit = result.units[u];
-    unit.is_root = &state == root.get();
-    for (const auto& other : result.units) {
-      if (&other == &unit) continue;
-      bool contains = false;
-      for (const auto& outer : other.module_fqns) {
-        for (const auto& inner : unit.module_fqns) contains |= strictly_inside(outer, inner);
-      }
-      unit.depth += contains ? 1 : 0;
-    }
-    const bool hybrid = config.handle.replicate != nullptr;
-    if (!config.handle.shard) {
-      unit.strategy = PlannedStrategy::kNoShard;
-    } else if (hybrid) {
-      unit.strategy = config.reshard_after_forward ? PlannedStrategy::kHybridShard : PlannedStrategy::kHybridShardZero2;
-    } else {
-      unit.strategy = config.reshard_after_forward ? PlannedStrategy::kFullShard : PlannedStrategy::kShardGradOp;
-    }
-    unit.reshards_after_forward = !unit.is_root && config.reshard_after_forward;
-    unit.shard_group_size = config.comm->size();
-    unit.replicate_group_size = hybrid ? config.handle.replicate->size() : 1;
-    unit.param_dtype = config.handle.param_dtype;
-    unit.reduce_dtype = config.handle.reduce_dtype;
-    unit.offload_to_cpu = config.handle.offload_to_cpu;
-    const int unit_rank = config.comm->rank();
+// FSDP's name for what the unit's options give (HSDP with a mesh).
+PlannedStrategy planned_strategy(const FSDPConfig& config) {
+  const bool hybrid = config.replicate != nullptr;
+  switch (config.options.strategy()) {
+    case ShardingStrategy::kNoShard: return PlannedStrategy::kNoShard;
+    case ShardingStrategy::kShardGradOp: return hybrid ? PlannedStrategy::kHybridShardZero2 : PlannedStrategy::kShardGradOp;
+    case ShardingStrategy::kFullShard: return hybrid ? PlannedStrategy::kHybridShard : PlannedStrategy::kFullShard;
+  }
+  return PlannedStrategy::kFullShard;
+}
 
-    for (const auto& handle : state.handles()) {
-      HandlePlan h = plan_handle(*handle, config);
-      h.rank_numel = rank_numel(*handle, h.sharded ? unit_rank : 0);
-      for (int r = 0; r < (h.sharded ? config.comm->size() : 1); ++r) {
-        h.max_rank_numel = std::max(h.max_rank_numel, rank_numel(*handle, r));
-      }
-      const int64_t shard_bytes = h.shard_bytes();
-      const int64_t param_element = element_size(h.dtype);
+// A unit's settings, from its options (and whether it is the root) and its place in the tree.
+void plan_unit_settings(UnitPlan& unit, const FSDPState& state, bool is_root, const std::vector<UnitPlan>& units) {
+  const FSDPConfig& config = state.config();
+  unit.is_root = is_root;
+  for (const auto& other : units) {
+    if (&other != &unit && contains(other, unit)) unit.depth += 1;
+  }
+  unit.strategy = planned_strategy(config);
+  unit.reshards_after_forward = !unit.is_root && config.reshard_after_forward();
+  unit.shard_group_size = config.comm->size();
+  unit.replicate_group_size = config.replicate ? config.replicate->size() : 1;
+  unit.param_dtype = config.options.mixed_precision().param_dtype();
+  unit.reduce_dtype = config.options.mixed_precision().reduce_dtype();
+  unit.offload_to_cpu = config.options.offload_to_cpu();
+}
 
-      // Memory of this rank.
-      MemoryEstimate& m = result.memory;
-      m.sharded_params += shard_bytes;
-      int64_t grad_bytes = 0, optimizer_bytes = 0;
-      if (h.trainable) {
-        grad_bytes = passthrough ? h.numel * param_element : shard_bytes;
-        optimizer_bytes = tensors_per_param * h.rank_numel * param_element;
-        for (int r = 0; r < shard_size; ++r) {
-          const int handle_rank = h.sharded && handle->layout().world_size == shard_size ? r : 0;
-          const int64_t bytes = tensors_per_param * rank_numel(*handle, handle_rank) * param_element;
-          optimizer_per_rank[static_cast<size_t>(r)] += bytes;
-          if (h.offload_to_cpu) offloaded_optimizer_per_rank[static_cast<size_t>(r)] += bytes;
-        }
-      }
-      m.sharded_grads += grad_bytes;
-      m.optimizer_state += optimizer_bytes;
-      const int64_t low_precision = h.compute_copy ? h.shard_numel * element_size(h.compute_dtype) : 0;
-      m.low_precision_shards += low_precision;
-      if (h.offload_to_cpu) m.offloaded += shard_bytes + grad_bytes + optimizer_bytes;
+// What the whole tree shares while planning the handles.
+struct HandleTally {
+  bool passthrough = true;  // every handle of the tree runs as a passthrough
+  int tensors_per_param = 0;
+  int shard_size = 1;
+  std::vector<int64_t> optimizer_per_rank;
+  std::vector<int64_t> offloaded_optimizer_per_rank;
+};
 
-      // Communication per step.
-      CommunicationPlan& c = result.communication;
-      if (h.sharded) {
-        const int64_t gathered = h.padded_numel * element_size(h.compute_dtype);
-        const int gathers = unit.reshards_after_forward ? 2 : 1;  // forward, and again in backward
-        c.all_gather.calls += gathers;
-        c.all_gather.bytes += gathers * gathered;
-      }
-      if (h.trainable) {
-        const int64_t reduced = h.padded_numel * element_size(h.reduce_dtype);
-        if (h.sharded) {
-          c.reduce_scatter.calls += 1;
-          c.reduce_scatter.bytes += reduced;
-        } else if (config.comm->size() > 1) {
-          c.all_reduce.calls += 1;
-          c.all_reduce.bytes += reduced;
-        }
-        if (unit.replicate_group_size > 1) {  // HSDP: the sharded gradient, in the parameters' dtype
-          c.all_reduce.calls += 1;
-          c.all_reduce.bytes += shard_bytes;
-        }
-      }
-      unit.handles.push_back(std::move(h));
+// One handle of `unit`: its layout, this rank's memory for it and its collectives per step.
+void plan_handle_memory_and_communication(const FlatParamHandle& handle, const FSDPConfig& config, UnitPlan& unit,
+                                          HandleTally& tally, ShardingPlan& result) {
+  HandlePlan h = plan_handle(handle, config);
+  h.rank_numel = rank_numel(handle, h.sharded ? config.comm->rank() : 0);
+  for (int r = 0; r < (h.sharded ? config.comm->size() : 1); ++r) {
+    h.max_rank_numel = std::max(h.max_rank_numel, rank_numel(handle, r));
+  }
+  const int64_t shard_bytes = h.shard_bytes();
+  const int64_t param_element = element_size(h.dtype);
+
+  // Memory of this rank.
+  MemoryEstimate& m = result.memory;
+  m.sharded_params += shard_bytes;
+  int64_t grad_bytes = 0, optimizer_bytes = 0;
+  if (h.trainable) {
+    grad_bytes = tally.passthrough ? h.numel * param_element : shard_bytes;
+    optimizer_bytes = tally.tensors_per_param * h.rank_numel * param_element;
+    for (int r = 0; r < tally.shard_size; ++r) {
+      const int handle_rank = h.sharded && handle.layout().world_size == tally.shard_size ? r : 0;
+      const int64_t bytes = tally.tensors_per_param * rank_numel(handle, handle_rank) * param_element;
+      tally.optimizer_per_rank[static_cast<size_t>(r)] += bytes;
+      if (h.offload_to_cpu) tally.offloaded_optimizer_per_rank[static_cast<size_t>(r)] += bytes;
     }
   }
-  // Only the optimizer state differs between ranks (it holds no padding).
-  result.max_over_ranks = result.memory;
-  result.max_over_ranks.optimizer_state =
-      *std::max_element(optimizer_per_rank.begin(), optimizer_per_rank.end());
-  result.max_over_ranks.offloaded +=
-      *std::max_element(offloaded_optimizer_per_rank.begin(), offloaded_optimizer_per_rank.end()) -
-      offloaded_optimizer_per_rank[static_cast<size_t>(result.rank)];
+  m.sharded_grads += grad_bytes;
+  m.optimizer_state += optimizer_bytes;
+  const int64_t low_precision = h.compute_copy ? h.shard_numel * element_size(h.compute_dtype) : 0;
+  m.low_precision_shards += low_precision;
+  if (h.offload_to_cpu) m.offloaded += shard_bytes + grad_bytes + optimizer_bytes;
 
-  // Unsharded parameters: the root, the units kept unsharded from forward to backward, and the
-  // largest of the units resharded after forward that can be unsharded at once.
+  // Communication per step.
+  CommunicationPlan& c = result.communication;
+  if (h.sharded) {
+    const int64_t gathered = h.padded_numel * element_size(h.compute_dtype);
+    const int gathers = unit.reshards_after_forward ? 2 : 1;  // forward, and again in backward
+    c.all_gather.calls += gathers;
+    c.all_gather.bytes += gathers * gathered;
+  }
+  if (h.trainable) {
+    const int64_t reduced = h.padded_numel * element_size(h.reduce_dtype);
+    if (h.sharded) {
+      c.reduce_scatter.calls += 1;
+      c.reduce_scatter.bytes += reduced;
+    } else if (config.comm->size() > 1) {
+      c.all_reduce.calls += 1;
+      c.all_reduce.bytes += reduced;
+    }
+    if (unit.replicate_group_size > 1) {  // HSDP: the sharded gradient, in the parameters' dtype
+      c.all_reduce.calls += 1;
+      c.all_reduce.bytes += shard_bytes;
+    }
+  }
+  unit.handles.push_back(std::move(h));
+}
+
+// Unsharded parameters: the root, the units kept unsharded from forward to backward, and the
+// largest of the units resharded after forward that can be unsharded at once.
+void plan_unsharded_params(ShardingPlan& result) {
   std::vector<int64_t> transient;
   bool prefetchable = false;
   int nesting = 0;
@@ -314,11 +306,7 @@ ShardingPlan plan(torch::nn::Module& root_module, const PlanOptions& options) {
       int ancestors = 0;
       for (const auto& other : result.units) {
         if (&other == &unit || !other.reshards_after_forward || other.unsharded_bytes() == 0) continue;
-        bool contains = false;
-        for (const auto& outer : other.module_fqns) {
-          for (const auto& inner : unit.module_fqns) contains |= strictly_inside(outer, inner);
-        }
-        ancestors += contains ? 1 : 0;
+        ancestors += contains(other, unit) ? 1 : 0;
       }
       nesting = std::max(nesting, ancestors);
     }
@@ -328,72 +316,100 @@ ShardingPlan plan(torch::nn::Module& root_module, const PlanOptions& options) {
   const size_t at_once = static_cast<size_t>((prefetchable ? result.max_unshards_in_flight : 1) + nesting);
   result.unsharded_params.units_in_flight = static_cast<int>(std::min(at_once, transient.size()));
   result.unsharded_params.in_flight = sum_of_largest(transient, at_once);
+}
 
-  // Unsharded gradients: the root's flat gradient through the whole backward, and the two largest
-  // other units' (one computing, one reducing), with their reduction outputs and, when reduced in
-  // another dtype, autograd's gradients in the compute dtype.
-  if (!passthrough) {
-    std::vector<int64_t> others;
-    for (const auto& unit : result.units) {
-      int64_t bytes = 0;
-      for (const auto& h : unit.handles) {
-        if (!h.trainable) continue;
-        bytes += h.padded_numel * element_size(h.reduce_dtype);
-        if (h.sharded) bytes += h.shard_numel * element_size(h.reduce_dtype);
-        if (h.reduce_dtype != h.compute_dtype) bytes += h.numel * element_size(h.compute_dtype);
-      }
-      if (unit.is_root) {
-        result.unsharded_grads_bound += bytes;
-      } else {
-        others.push_back(bytes);
-      }
+// Unsharded gradients: the root's flat gradient through the whole backward, and the two largest
+// other units' (one computing, one reducing), with their reduction outputs and, when reduced in
+// another dtype, autograd's gradients in the compute dtype. None when every handle is a passthrough.
+void plan_unsharded_grads(ShardingPlan& result) {
+  std::vector<int64_t> others;
+  for (const auto& unit : result.units) {
+    int64_t bytes = 0;
+    for (const auto& h : unit.handles) {
+      if (!h.trainable) continue;
+      bytes += h.padded_numel * element_size(h.reduce_dtype);
+      if (h.sharded) bytes += h.shard_numel * element_size(h.reduce_dtype);
+      if (h.reduce_dtype != h.compute_dtype) bytes += h.numel * element_size(h.compute_dtype);
     }
-    result.unsharded_grads_bound += sum_of_largest(others, 2);
-  }
-
-  // Tied parameters (registered by several modules) and parameters no unit manages. fully_shard
-  // already placed every tied parameter in the innermost unit containing all modules using it
-  // (fsdp/tied_parameters.h): none moves at lazy initialisation, which only checks the placement.
-  std::vector<const void*> order;
-  std::unordered_map<const void*, std::vector<std::pair<std::string, std::string>>> uses;  // module, param FQN
-  std::unordered_map<const void*, at::Tensor> tensors;
-  for (const auto& item : root_module.named_modules("", /*include_self=*/true)) {
-    for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
-      const void* impl = p.value().unsafeGetTensorImpl();
-      auto& u = uses[impl];
-      if (u.empty()) {
-        order.push_back(impl);
-        tensors.emplace(impl, p.value());
-      }
-      u.emplace_back(item.key(), join_fqn(item.key(), p.key()));
+    if (unit.is_root) {
+      result.unsharded_grads_bound += bytes;
+    } else {
+      others.push_back(bytes);
     }
   }
-  for (const void* impl : order) {
-    const auto& u = uses.at(impl);
-    const at::Tensor& tensor = tensors.at(impl);
+  result.unsharded_grads_bound += sum_of_largest(others, 2);
+}
+
+// Tied parameters (registered by several modules) and parameters no unit manages. fully_shard
+// already placed every tied parameter in the innermost unit containing all modules using it
+// (fsdp/tied_parameters.h): none moves at lazy initialisation, which only checks the placement
+// with the same rule (use_outside_unit).
+void plan_tied_and_unmanaged(torch::nn::Module& root_module, const std::vector<std::shared_ptr<FSDPState>>& states,
+                             ShardingPlan& result) {
+  for (const RegisteredParameter& registered : registered_parameters(root_module)) {
     const UnitPlan* owner = nullptr;
     for (size_t i = 0; i < states.size(); ++i) {
-      if (states[i]->manages(tensor)) owner = &result.units[i];
+      if (states[i]->manages(registered.param)) owner = &result.units[i];
     }
     if (owner == nullptr) {
-      result.unmanaged_parameters.push_back(u.front().second);
+      result.unmanaged_parameters.push_back(registered.uses.front().param_fqn);
       continue;
     }
-    if (u.size() < 2) continue;
+    if (registered.uses.size() < 2) continue;
     TiedParameterPlacement tied;
     tied.unit = owner->name();
-    for (const auto& [module_fqn, param_fqn] : u) {
-      tied.fqns.push_back(param_fqn);
-      const bool contained = std::any_of(owner->module_fqns.begin(), owner->module_fqns.end(),
-                                         [&](const std::string& m) { return within(module_fqn, m); });
-      if (!contained && tied.problem.empty()) {
-        tied.problem = "module '" + contract::display_fqn(module_fqn) + "' uses it outside unit '" +
-                       tied.unit + "': lazy initialisation will refuse the model; apply fully_shard "
-                       "to a module containing every module using it";
-      }
+    for (const auto& use : registered.uses) tied.fqns.push_back(use.param_fqn);
+    if (const ParameterUse* outside = use_outside_unit(registered.uses, owner->module_fqns)) {
+      tied.problem = "module '" + contract::display_fqn(outside->module_fqn) + "' uses it outside unit '" +
+                     tied.unit + "': lazy initialisation will refuse the model; apply fully_shard "
+                     "to a module containing every module using it";
     }
     result.tied_parameters.push_back(std::move(tied));
   }
+}
+
+}  // namespace
+
+ShardingPlan plan(torch::nn::Module& root_module, const PlanOptions& options) {
+  const std::shared_ptr<FSDPState> root = root_state_of(root_module);
+  ShardingPlan result;
+  result.options = options;
+  const FSDPConfig& root_config = root->config();
+  result.rank = root_config.comm->rank();
+  const int shard_size = root_config.comm->size();
+  result.world_size = shard_size * (root_config.replicate ? root_config.replicate->size() : 1);
+  result.max_unshards_in_flight = std::max(1, root_config.options.max_unshards_in_flight());
+
+  const std::vector<std::shared_ptr<FSDPState>> states = plan_units(root_module, result);
+
+  // Whether every handle of the tree runs as a passthrough (one rank, nothing to gather or copy):
+  // then autograd writes the parameters' gradients itself, without the FlatParameter's padding.
+  HandleTally tally;
+  for (const auto& state : states) {
+    for (const auto& h : state->handles()) tally.passthrough &= h->passthrough();
+  }
+  tally.tensors_per_param = optimizer_tensors_per_param(options);
+  tally.shard_size = shard_size;
+  tally.optimizer_per_rank.assign(static_cast<size_t>(shard_size), 0);
+  tally.offloaded_optimizer_per_rank.assign(static_cast<size_t>(shard_size), 0);
+  for (size_t u = 0; u < states.size(); ++u) {
+    UnitPlan& unit = result.units[u];
+    plan_unit_settings(unit, *states[u], states[u] == root, result.units);
+    for (const auto& handle : states[u]->handles()) {
+      plan_handle_memory_and_communication(*handle, states[u]->config(), unit, tally, result);
+    }
+  }
+  // Only the optimizer state differs between ranks (it holds no padding).
+  result.max_over_ranks = result.memory;
+  result.max_over_ranks.optimizer_state =
+      *std::max_element(tally.optimizer_per_rank.begin(), tally.optimizer_per_rank.end());
+  result.max_over_ranks.offloaded +=
+      *std::max_element(tally.offloaded_optimizer_per_rank.begin(), tally.offloaded_optimizer_per_rank.end()) -
+      tally.offloaded_optimizer_per_rank[static_cast<size_t>(result.rank)];
+
+  plan_unsharded_params(result);
+  if (!tally.passthrough) plan_unsharded_grads(result);
+  plan_tied_and_unmanaged(root_module, states, result);
   return result;
 }
 

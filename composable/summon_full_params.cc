@@ -12,6 +12,7 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
+#include "composable/fully_shard_internal.h"
 #include "fsdp/root_context.h"
 #include "fsdp/runtime.h"
 #include "fsdp/unit_tree.h"
@@ -34,9 +35,9 @@ const char* describe_phase(const RootContext& context) {
 // The unit, and with `recurse` every unit inside its modules, each once, outermost first.
 std::vector<std::shared_ptr<FSDPState>> units_of(const FSDPModule& unit, bool recurse) {
   std::vector<std::shared_ptr<FSDPState>> units;
-  for (torch::nn::Module* module : unit.state().modules()) {
+  for (torch::nn::Module* module : unit.modules()) {
     for (auto& state : distinct_units_in_tree(*module)) {
-      if (!recurse && state.get() != &unit.state()) continue;
+      if (!recurse && state.get() != &detail::state_of(unit)) continue;
       if (std::find(units.begin(), units.end(), state) == units.end()) units.push_back(state);
     }
   }
@@ -82,9 +83,9 @@ at::Tensor local_sharded_grad(const FSDPState& unit, const FlatParamHandle& hand
 }  // namespace
 
 SummonFullParams::SummonFullParams(const FSDPModule& unit, SummonFullParamsOptions options)
-    : options_(options), fqn_(unit.state().fqn()) {
+    : options_(options), fqn_(unit.fqn()) {
   const auto units = units_of(unit, options_.recurse());
-  TORCH_CHECK(!(options_.rank0_only() && options_.writeback()), kApi, ": unit '", unit.state().fqn(),
+  TORCH_CHECK(!(options_.rank0_only() && options_.writeback()), kApi, ": unit '", unit.fqn(),
               "': expected writeback(false) with rank0_only(true), got writeback(true). Ranks other "
               "than 0 hold no full parameters to write back; summon with writeback on every rank, "
               "or with rank0_only and writeback(false)");
@@ -334,7 +335,7 @@ std::vector<int64_t> unsharded_shape(torch::nn::Module& model, const at::Tensor&
 }
 
 std::vector<int64_t> unsharded_shape(const FSDPModule& root, const at::Tensor& param) {
-  for (torch::nn::Module* module : root.state().modules()) {
+  for (torch::nn::Module* module : root.modules()) {
     for (const auto& unit : distinct_units_in_tree(*module)) {
       if (unit->manages(param)) return unsharded_shape(*module, param);
     }

@@ -41,6 +41,8 @@ class Module;
 
 namespace fsdp {
 
+class FlatParamHandle;
+
 /// Options of SummonFullParams, in the LibTorch style:
 ///
 ///   fsdp::SummonFullParams full(root, fsdp::SummonFullParamsOptions().writeback(false).with_grads(true));

@@ -306,10 +306,8 @@ StateBytes sharded_bytes(const std::vector<fsdp::FSDPModule>& units,
                          const torch::optim::AdamW& optim) {
   StateBytes b;
   for (const auto& unit : units) {
-    for (const auto& handle : unit.handles()) {
-      b.params += nbytes(handle->local_shard());
-      b.grads += nbytes(handle->sharded_grad());
-    }
+    b.params += unit.sharded_param_bytes();
+    b.grads += unit.sharded_grad_bytes();
   }
   b.optimizer = adamw_state_bytes(optim);
   return b;

@@ -176,7 +176,7 @@ void pre_backward(FSDPState& unit, int64_t tag) {
   // differently across ranks with the shard group's collectives and deadlock.
   BackwardReductionQueue& reductions = context.reductions();
   FSDPState* awaiting = reductions.awaiting_finalize();
-  const auto& replicate = awaiting ? awaiting->config().handle.replicate : nullptr;
+  const auto& replicate = awaiting ? awaiting->config().replicate : nullptr;
   if (FSDPState* previous = replicate && replicate->size() > 1 ? nullptr : awaiting) {
     bool completed = true;
     for (const auto& handle : previous->handles()) completed &= handle->reduction_completed();
@@ -193,7 +193,7 @@ void pre_backward(FSDPState& unit, int64_t tag) {
   context.scheduler().unshard(unit);
   for (const auto& handle : unit.handles()) handle->prepare_gradient_buffer();
   unit.set_training_state(TrainingState::kPreBackward);
-  if (unit.config().backward_prefetch == BackwardPrefetch::kBackwardPre) prefetch_for_backward(context, unit);
+  if (unit.config().options.backward_prefetch() == BackwardPrefetch::kBackwardPre) prefetch_for_backward(context, unit);
 }
 
 void post_backward(void* arg, int64_t tag) {
@@ -212,7 +212,7 @@ void post_backward(void* arg, int64_t tag) {
   // is meant to be unsharded once through backward (SHARD_GRAD_OP, the root, a unit of sibling
   // modules): then once complete.
   const bool keep_until_complete =
-      !unit.config().reshard_after_forward || (unit.is_root() && !context.iteration_state().root_nested()) ||
+      !unit.config().reshard_after_forward() || (unit.is_root() && !context.iteration_state().root_nested()) ||
       unit.modules().size() > 1;
   if (!unit.keeps_unsharded_after_backward() && (complete || !keep_until_complete)) context.scheduler().reshard(unit);
   if (complete) {
@@ -220,7 +220,7 @@ void post_backward(void* arg, int64_t tag) {
     reduce_in_order(context, /*final=*/false);
   }
   // After this unit's gradient computation (and its reduction, once its turn came).
-  if (unit.config().backward_prefetch == BackwardPrefetch::kBackwardPost) prefetch_for_backward(context, unit);
+  if (unit.config().options.backward_prefetch() == BackwardPrefetch::kBackwardPost) prefetch_for_backward(context, unit);
 }
 
 }  // namespace

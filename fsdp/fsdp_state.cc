@@ -20,6 +20,18 @@ const char* to_string(TrainingState state) {
   return "?";
 }
 
+FlatParamHandleOptions FSDPConfig::handle_options() const {
+  FlatParamHandleOptions handle;
+  handle.shard = shard();
+  handle.device = device;
+  handle.replicate = replicate;
+  handle.param_dtype = options.mixed_precision().param_dtype();
+  handle.reduce_dtype = options.mixed_precision().reduce_dtype();
+  handle.offload_to_cpu = options.offload_to_cpu();
+  handle.meta_values = meta_values;
+  return handle;
+}
+
 FSDPState::FSDPState(std::vector<torch::nn::Module*> modules, std::string fqn, FSDPConfig config,
                      std::vector<std::unique_ptr<FlatParamHandle>> handles)
     : modules_(std::move(modules)), fqn_(std::move(fqn)), config_(std::move(config)),
@@ -43,9 +55,10 @@ std::vector<std::unique_ptr<FlatParamHandle>> FSDPState::make_handles(
     }
     it->second.push_back(p);
   }
+  const FlatParamHandleOptions options = config.handle_options();
   std::vector<std::unique_ptr<FlatParamHandle>> handles;
   for (auto& group : groups) {
-    handles.push_back(std::make_unique<FlatParamHandle>(group.second, config.comm, fqn, config.handle));
+    handles.push_back(std::make_unique<FlatParamHandle>(group.second, config.comm, fqn, options));
   }
   return handles;
 }

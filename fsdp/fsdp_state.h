@@ -5,6 +5,7 @@
 // shared context. The runtime (fsdp/runtime.h, fsdp/backward.h) drives it from the forward hooks
 // and from autograd.
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -15,6 +16,7 @@
 #include "contract/module_state.h"
 #include "fsdp/flat_param_handle.h"
 #include "fsdp/hidden_params.h"
+#include "fsdp/options.h"
 #include "fsdp/unit_iteration.h"
 
 namespace torch::nn {
@@ -38,32 +40,30 @@ enum class TrainingState {
 
 const char* to_string(TrainingState state);
 
-/// When backward all-gathers the next unit (FSDP1's BackwardPrefetch).
-enum class BackwardPrefetch {
-  kNone,
-  /// In the current unit's pre-backward, before its gradients are computed (more overlap, two
-  /// units unsharded at once).
-  kBackwardPre,
-  /// In the current unit's post-backward, after its gradients are computed.
-  kBackwardPost,
-};
-
-/// The options a unit was created with (see composable/fully_shard.h for the user-facing ones).
+/// A unit's options: the user's FullyShardOptions, whole, and what fully_shard resolved from them.
+/// Read the options' derived values through the functions of fsdp/options.h (the accessors below
+/// call them), never by re-deriving them.
 struct FSDPConfig {
+  /// As given to fully_shard (communicator() and device() may be unset: use `comm` and `device`).
+  FullyShardOptions options;
+  /// The communicator the unit shards across: options.communicator(), the mesh's shard group, or
+  /// the default process group.
   std::shared_ptr<comm::Communicator> comm;
-  /// Sharding (false: NO_SHARD, parameters replicated, gradients all-reduced) and the device of
-  /// the shards.
-  FlatParamHandleOptions handle;
-  /// FULL_SHARD (true): reshard after forward, all-gather again in backward.
-  bool reshard_after_forward = true;
-  /// Mixed precision: floating-point forward inputs are cast to this dtype in pre-forward.
-  std::optional<c10::ScalarType> cast_forward_inputs_to;
-  /// Forward prefetch: a unit's pre-forward also issues the all-gather of the unit that ran after
-  /// it in the previous iteration.
-  bool forward_prefetch = false;
-  BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
-  /// The most all-gathers in flight at once (the root's setting applies to its tree).
-  int max_unshards_in_flight = 2;
+  /// Hybrid sharding: the mesh's replicate group (gradients all-reduced across it); null otherwise.
+  std::shared_ptr<comm::Communicator> replicate;
+  /// Where the shards live: options.device(), else the communicator's device.
+  at::Device device = at::kCPU;
+  /// The full values of a meta parameter (FlatParamHandleOptions::meta_values): options'
+  /// param_init_fn, else its recorded initialization.
+  std::function<at::Tensor(const std::string& fqn, const at::Tensor& param)> meta_values;
+
+  bool reshard_after_forward() const { return reshards_after_forward(options.strategy()); }
+  bool shard() const { return shards(options.strategy()); }
+  std::optional<c10::ScalarType> cast_forward_inputs_to() const {
+    return forward_input_dtype(options.mixed_precision());
+  }
+  /// What each of the unit's FlatParamHandles is given (the one translation to the handle).
+  FlatParamHandleOptions handle_options() const;
 };
 
 class FSDPState final : public contract::ApiState {

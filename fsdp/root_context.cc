@@ -20,7 +20,7 @@ bool all_passthrough(const std::vector<FSDPState*>& states) {
 RootContext::RootContext(FSDPState& root, std::vector<FSDPState*> states, UnitAncestors ancestors)
     : root_(&root), states_(std::move(states)), comm_(root.config().comm),
       passthrough_(all_passthrough(states_)),
-      scheduler_(&root, std::move(ancestors), root.config().max_unshards_in_flight),
+      scheduler_(&root, std::move(ancestors), root.config().options.max_unshards_in_flight()),
       divergence_(comm_) {}
 
 void RootContext::begin_iteration() {

@@ -175,7 +175,7 @@ void pre_forward(FSDPState& state, contract::ForwardArgs& args) {
   scheduler.start_unshard(state);
   // Forward prefetch: the unit that ran after this one in the previous iteration.
   const auto* explicit_targets = state.forward_prefetch_targets();
-  if (state.config().forward_prefetch || explicit_targets) {
+  if (state.config().options.forward_prefetch() || explicit_targets) {
     for (FSDPState* next : prefetch_targets(state, explicit_targets, iteration.previous_forward_order(), +1)) {
       if (next->iteration().ran_forward()) continue;
       if (!next->hidden_params().empty()) show_params(*next);  // its all-gather reads the shards
@@ -185,7 +185,7 @@ void pre_forward(FSDPState& state, contract::ForwardArgs& args) {
   scheduler.unshard(state);
   if (hide && state.is_root()) hide_other_units(context);
   state.set_training_state(TrainingState::kForward);
-  if (const auto dtype = state.config().cast_forward_inputs_to) {
+  if (const auto dtype = state.config().cast_forward_inputs_to()) {
     for (auto& arg : args) {
       arg = contract::map_tensors(arg, [&](const at::Tensor& t) {
         return at::isFloatingType(t.scalar_type()) && t.scalar_type() != *dtype ? t.to(*dtype) : t;
@@ -204,7 +204,7 @@ void post_forward(FSDPState& state, c10::IValue& output) {
   if (context.passthrough()) {
     if (!state.is_root()) {
       // Hidden where several ranks would reshard it ([Note: hidden parameters]).
-      if (hide && (state.config().reshard_after_forward || !state.config().handle.shard)) hide_params(state);
+      if (hide && (state.config().reshard_after_forward() || !state.config().shard())) hide_params(state);
       return;
     }
     if (hide) show_all_params(context);
@@ -226,7 +226,7 @@ void post_forward(FSDPState& state, c10::IValue& output) {
   // Siblings: reshard after the last of the unit's modules ran.
   const bool last_module = state.iteration().last_module_ran(state.modules().size());
   const bool kept_after_forward = state.is_root() && !iteration.root_nested();
-  if (!kept_after_forward && state.config().reshard_after_forward && last_module) context.scheduler().reshard(state);
+  if (!kept_after_forward && state.config().reshard_after_forward() && last_module) context.scheduler().reshard(state);
   if (hide && !state.is_root()) hide_params(state);
   const std::vector<at::Tensor> hooked = hook_outputs_for_backward(state, output);
   if (!state.is_root()) return;

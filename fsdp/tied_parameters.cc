@@ -98,7 +98,7 @@ at::Tensor gather_gradients(const FlatParamHandle& handle, const FSDPConfig& con
     if (g.defined() && s.size() > 0) shard.narrow(0, s.shard_offset, s.size()).copy_(g.reshape({-1}));
   }
   if (!sharded) return shard;
-  const at::Device device = config.handle.device.value_or(shard.device());
+  const at::Device device = config.device;
   at::Tensor source = shard.to(device);
   at::Tensor full = at::empty({layout.padded_numel}, source.options());
   comm.all_gather_into_tensor(full, source, handle.unit_fqn() + " (tied parameter moving out)").wait();
@@ -339,6 +339,29 @@ void place_tied_parameters(RootContext& context, const UnitModuleFqns& unit_fqns
       }
     }
   }
+}
+
+std::vector<RegisteredParameter> registered_parameters(torch::nn::Module& root) {
+  std::vector<RegisteredParameter> registered;
+  std::unordered_map<const void*, size_t> index;
+  for (const auto& item : root.named_modules("", /*include_self=*/true)) {
+    for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
+      const auto [it, first] = index.emplace(p.value().unsafeGetTensorImpl(), registered.size());
+      if (first) registered.push_back({p.value(), {}});
+      registered[it->second].uses.push_back({item.key(), join_fqn(item.key(), p.key())});
+    }
+  }
+  return registered;
+}
+
+const ParameterUse* use_outside_unit(const std::vector<ParameterUse>& uses,
+                                     const std::vector<std::string>& unit_module_fqns) {
+  for (const auto& use : uses) {
+    const bool contained = std::any_of(unit_module_fqns.begin(), unit_module_fqns.end(),
+                                       [&](const std::string& m) { return within(use.module_fqn, m); });
+    if (!contained) return &use;
+  }
+  return nullptr;
 }
 
 }  // namespace fsdp

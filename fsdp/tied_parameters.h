@@ -30,6 +30,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include <ATen/core/Tensor.h>
+
 namespace torch::nn {
 class Module;
 }  // namespace torch::nn
@@ -74,5 +76,27 @@ using UnitModuleFqns = std::unordered_map<FSDPState*, std::vector<std::string>>;
 /// the units' root context is reset (the next forward checks again) and the error names the
 /// parameter, the modules and the fully_shard call to add. Changes no parameter; no collective.
 void place_tied_parameters(RootContext& context, const UnitModuleFqns& unit_fqns);
+
+/// One module registering a parameter: the module's FQN and the parameter's, relative to a root.
+struct ParameterUse {
+  std::string module_fqn;
+  std::string param_fqn;
+};
+
+/// A parameter of a root's tree with every module registering it (several: a tied parameter).
+struct RegisteredParameter {
+  at::Tensor param;
+  std::vector<ParameterUse> uses;  // named_modules order; uses.front() names the parameter
+};
+
+/// Every parameter registered in `root`'s tree (the root included), once per tensor, in
+/// named_modules order. Pure: reads the tree only.
+std::vector<RegisteredParameter> registered_parameters(torch::nn::Module& root);
+
+/// [Note: tied parameters]: the unit managing a parameter must contain every module using it. The
+/// first of `uses` whose module is in none of `unit_module_fqns` (FQNs relative to the same root,
+/// "" for the root), or null when the unit contains them all. Pure.
+const ParameterUse* use_outside_unit(const std::vector<ParameterUse>& uses,
+                                     const std::vector<std::string>& unit_module_fqns);
 
 }  // namespace fsdp

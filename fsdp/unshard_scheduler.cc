@@ -21,7 +21,7 @@ UnshardScheduler::UnshardScheduler(const FSDPState* root, UnitAncestors ancestor
     : root_(root), ancestors_(std::move(ancestors)), max_unsharded_(std::max(1, max_unsharded)) {}
 
 bool UnshardScheduler::counted(const FSDPState& unit, const FSDPState& running) const {
-  if (&unit == root_ || &unit == &running || !unit.config().reshard_after_forward) return false;
+  if (&unit == root_ || &unit == &running || !unit.config().reshard_after_forward()) return false;
   const auto it = ancestors_.find(&running);
   if (it != ancestors_.end() && std::find(it->second.begin(), it->second.end(), &unit) != it->second.end()) {
     return false;
@@ -44,7 +44,7 @@ void UnshardScheduler::note_unsharded_unit(FSDPState& unit) {
 void UnshardScheduler::note_unsharded(const FSDPState& running) {
   // The running unit itself counts when its strategy reshards it.
   int count = unsharded_count(running);
-  if (&running != root_ && running.config().reshard_after_forward && gathers(running)) ++count;
+  if (&running != root_ && running.config().reshard_after_forward() && gathers(running)) ++count;
   peak_unsharded_ = std::max(peak_unsharded_, count);
 }
 
@@ -73,8 +73,8 @@ void UnshardScheduler::start_unshard(FSDPState& unit) {
 
 void UnshardScheduler::prefetch(FSDPState& unit, const FSDPState& running, bool bounded) {
   if (unit.is_unsharded() || unit.unshard_in_flight()) return;
-  const bool running_counts = &running != root_ && running.config().reshard_after_forward;
-  if (bounded && unit.config().reshard_after_forward &&
+  const bool running_counts = &running != root_ && running.config().reshard_after_forward();
+  if (bounded && unit.config().reshard_after_forward() &&
       unsharded_count(running) + (running_counts ? 1 : 0) >= max_unsharded_) {
     return;
   }

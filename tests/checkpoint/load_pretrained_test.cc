@@ -20,6 +20,7 @@
 #include "checkpoint/load_pretrained.h"
 #include "checkpoint/state_dict.h"
 #include "comm/device_mesh.h"
+#include "composable/fully_shard_internal.h"
 #include "storage/safetensors.h"
 #include "tests/composable/parity.h"
 #include "tests/composable/tied_models.h"
@@ -296,7 +297,7 @@ FSDP_RANKS_TEST_CASE("load_pretrained: mixed precision and CPU offload compute w
     const auto result = fsdp::load_pretrained(units.back(), path);
     CHECK(result.stats.bytes_read == expected_bytes_read(units.back(), file));
     for (const auto& u : units) {
-      for (const auto& h : u.handles()) {
+      for (const auto& h : fsdp::detail::handles_of(u)) {
         CHECK(h->local_shard().scalar_type() == at::kFloat);  // full precision was written
         CHECK(h->local_shard().device().is_cpu());
       }
@@ -395,10 +396,10 @@ FSDP_RANKS_TEST_CASE("load_pretrained: bad files are the same error on every ran
   // (On one rank nothing is ever unsharded: the shard is the whole FlatParameter.)
   units[1].unshard();
   if (world_size() > 1) {
-    CHECK(units[1].handles()[0]->is_unsharded());
+    CHECK(fsdp::detail::handles_of(units[1])[0]->is_unsharded());
     expect_error(write_model("unsharded", file, Format::kSafetensors), {"the unit of 'blocks.1' is unsharded"});
   } else {
-    CHECK(!units[1].handles()[0]->is_unsharded());
+    CHECK(!fsdp::detail::handles_of(units[1])[0]->is_unsharded());
   }
   units[1].reshard();
 
@@ -503,7 +504,7 @@ FSDP_RANKS_TEST_CASE("load_pretrained: each rank reads about 1/W of a larger mod
   check_loaded(units.back(), file);
   int64_t shard_bytes = 0;
   for (const auto& u : units) {
-    for (const auto& h : u.handles()) shard_bytes += nbytes(h->local_shard());
+    for (const auto& h : fsdp::detail::handles_of(u)) shard_bytes += nbytes(h->local_shard());
   }
   CHECK(result.stats.bytes_read == expected_bytes_read(units.back(), file));
   CHECK(result.stats.bytes_read <= shard_bytes);  // the shards less their padding

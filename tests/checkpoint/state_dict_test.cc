@@ -17,6 +17,7 @@
 
 #include "checkpoint/state_dict.h"
 #include "comm/device_mesh.h"
+#include "composable/fully_shard_internal.h"
 #include "tests/composable/parity.h"
 #include "tests/composable/test_models.h"
 #include "tests/composable/tied_models.h"
@@ -98,7 +99,7 @@ FSDP_RANKS_TEST_CASE("full_state_dict of a trained sharded model equals the unsh
     }
   }
   for (const auto& u : units) {
-    for (const auto& h : u.handles()) CHECK(h->unsharded_bytes() == 0);
+    for (const auto& h : fsdp::detail::handles_of(u)) CHECK(h->unsharded_bytes() == 0);
   }
   CHECK(everywhere(units.back()).size() == unsharded_state(*reference).size());
 }

@@ -10,6 +10,7 @@
 #include <torch/nn/utils/clip_grad.h>
 
 #include "composable/clip_grad_norm.h"
+#include "composable/fully_shard_internal.h"
 #include "tests/composable/parity.h"
 #include "tests/composable/test_models.h"
 #include "tests/testing/multi_rank.h"
@@ -44,7 +45,7 @@ void check_clip(fsdp::ShardingStrategy strategy, double norm_type, double max_no
   const auto ref_params = reference->named_parameters();
   std::map<const void*, std::pair<const fsdp::FlatParamHandle*, int>> where;
   for (const auto& u : units) {
-    for (const auto& h : u.handles()) {
+    for (const auto& h : fsdp::detail::handles_of(u)) {
       for (size_t i = 0; i < h->params().size(); ++i) where[h->params()[i].param.unsafeGetTensorImpl()] = {h.get(), static_cast<int>(i)};
     }
   }

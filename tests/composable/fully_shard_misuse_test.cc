@@ -24,6 +24,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include "composable/fully_shard.h"
+#include "composable/fully_shard_internal.h"
 #include "contract/forward_hooks.h"
 #include "fsdp/root_context.h"
 #include "fsdp/gradient_guard.h"
@@ -47,7 +48,7 @@ size_t unsharded_bytes(torch::nn::Module& model) {
   size_t total = 0;
   for (const auto& item : model.named_modules()) {
     if (auto unit = fsdp::fsdp_module_of(*item.value())) {
-      for (const auto& h : unit->handles()) total += h->unsharded_bytes();
+      for (const auto& h : fsdp::detail::handles_of(*unit)) total += h->unsharded_bytes();
     }
   }
   return total;
@@ -341,7 +342,7 @@ FSDP_RANKS_TEST_CASE("an L2 penalty over the sharded parameters fails at the end
 
   at::Tensor loss = model(x).pow(2).mean();
   loss = loss + 0.01 * l2_penalty(*model);  // outside any forward: sharded parameters
-  context = units.back().state().root_context();
+  context = fsdp::detail::state_of(units.back()).root_context();
   REQUIRE(context != nullptr);
   CHECK(fsdp::first_iteration_guard_active(*context));
   CHECK(torch::autograd::impl::hooks(w).size() == 1);  // the guard's gradient hook
@@ -390,7 +391,7 @@ FSDP_RANKS_TEST_CASE("a correct first iteration passes the guard, which then rem
     c10::NoGradGuard no_grad;
     model(x);
   }
-  const fsdp::RootContext& context = *units.back().state().root_context();
+  const fsdp::RootContext& context = *fsdp::detail::state_of(units.back()).root_context();
   CHECK(fsdp::first_iteration_guard_active(context));
   model(x).pow(2).mean().backward();
   CHECK_FALSE(fsdp::first_iteration_guard_active(context));
@@ -452,7 +453,7 @@ FSDP_RANKS_TEST_CASE("non-floating mixed-precision dtypes are refused before ful
     CHECK(fsdp::testing::same_on_every_rank(message));
     CHECK_FALSE(fsdp::fsdp_module_of(*model).has_value());
     CHECK(fsdp::contract::num_forward_pre_hooks(*model) == 0);
-    CHECK(enc.state().manages(model->enc->weight));  // the tied weight did not move
+    CHECK(enc.manages(model->enc->weight));  // the tied weight did not move
     CHECK(stat.scalar_type() == at::kFloat);
     CHECK(stat.equal(at::full({4}, 1.0 + r)));
     const auto params = model->parameters();
@@ -488,6 +489,86 @@ FSDP_RANKS_TEST_CASE("a check that fails on one rank only refuses fully_shard on
   }
   CHECK(fsdp::testing::same_on_every_rank(message));
   CHECK_FALSE(fsdp::fsdp_module_of(*model).has_value());
-  CHECK(enc.state().manages(model->enc->weight));
+  CHECK(enc.manages(model->enc->weight));
   CHECK_NOTHROW(fsdp::fully_shard(model, options().sync_module_states(true)));
+}
+
+FSDP_RANKS_TEST_CASE("a strategy and a reshard_after_forward that contradict it are refused, leaving the model as it was", "[fully_shard][misuse]") {
+  using fsdp::ShardingStrategy;
+  struct Bad {
+    ShardingStrategy strategy;
+    bool reshard_after_forward;
+    const char* found;
+  };
+  const std::vector<Bad> cases = {
+      {ShardingStrategy::kNoShard, true, "strategy NO_SHARD with reshard_after_forward(true)"},
+      {ShardingStrategy::kFullShard, false, "strategy FULL_SHARD with reshard_after_forward(false)"},
+      {ShardingStrategy::kShardGradOp, true, "strategy SHARD_GRAD_OP with reshard_after_forward(true)"},
+  };
+  const double r = fsdp::testing::rank();
+  for (const auto& bad : cases) {
+    INFO(bad.found);
+    torch::manual_seed(5);
+    auto model = fsdp::testing::Tied(4, 6);
+    {
+      torch::NoGradGuard no_grad;  // values that differ across ranks: a broadcast would change them
+      for (auto& p : model->parameters()) p.add_(r);
+    }
+    auto enc = fsdp::fully_shard(model->enc, options());
+    std::vector<at::Tensor> values;
+    std::vector<const void*> data;
+    for (const auto& p : model->parameters()) {
+      values.push_back(p.detach().clone());
+      data.push_back(p.data_ptr());
+    }
+    // Either order of the two setters.
+    for (auto given : std::vector<fsdp::FullyShardOptions>{
+             options().strategy(bad.strategy).reshard_after_forward(bad.reshard_after_forward),
+             options().reshard_after_forward(bad.reshard_after_forward).strategy(bad.strategy)}) {
+      const std::string message = error_of([&] { fsdp::fully_shard(model, given.sync_module_states(true)); });
+      CHECK_THAT(message, Contains("fully_shard: module '<root>' (fsdp::testing::TiedImpl) was given ") &&
+                              Contains(bad.found) && Contains("contradict each other"));
+      CHECK(fsdp::testing::same_on_every_rank(message));
+    }
+    CHECK_FALSE(fsdp::fsdp_module_of(*model).has_value());
+    CHECK(fsdp::contract::num_forward_pre_hooks(*model) == 0);
+    CHECK(enc.manages(model->enc->weight));  // the tied weight did not move
+    const auto params = model->parameters();
+    REQUIRE(params.size() == values.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      CHECK(params[i].data_ptr() == data[i]);
+      CHECK(params[i].detach().equal(values[i]));
+    }
+    // The strategy alone is accepted.
+    CHECK(fsdp::fully_shard(model, options().strategy(bad.strategy)).options().strategy() == bad.strategy);
+  }
+}
+
+FSDP_RANKS_TEST_CASE("reshard_after_forward alone is the shorthand for the strategy, and agrees with it when both are given", "[fully_shard][misuse]") {
+  using fsdp::ShardingStrategy;
+  CHECK(fsdp::FullyShardOptions().strategy() == ShardingStrategy::kFullShard);
+  CHECK(fsdp::FullyShardOptions().reshard_after_forward());
+  CHECK(fsdp::FullyShardOptions().reshard_after_forward(false).strategy() == ShardingStrategy::kShardGradOp);
+  CHECK(fsdp::FullyShardOptions().reshard_after_forward(true).strategy() == ShardingStrategy::kFullShard);
+  CHECK_FALSE(fsdp::FullyShardOptions().strategy(ShardingStrategy::kNoShard).reshard_after_forward());
+  struct Agreeing {
+    fsdp::FullyShardOptions given;
+    ShardingStrategy strategy;
+  };
+  const std::vector<Agreeing> cases = {
+      {options().reshard_after_forward(false), ShardingStrategy::kShardGradOp},
+      {options().reshard_after_forward(true), ShardingStrategy::kFullShard},
+      {options().strategy(ShardingStrategy::kFullShard).reshard_after_forward(true), ShardingStrategy::kFullShard},
+      {options().strategy(ShardingStrategy::kShardGradOp).reshard_after_forward(false), ShardingStrategy::kShardGradOp},
+      {options().strategy(ShardingStrategy::kNoShard).reshard_after_forward(false), ShardingStrategy::kNoShard},
+  };
+  for (const auto& c : cases) {
+    INFO(fsdp::to_string(c.strategy));
+    auto model = fsdp::testing::Tied(4, 6);
+    const auto unit = fsdp::fully_shard(model, c.given);
+    CHECK(unit.options().strategy() == c.strategy);
+    for (const auto& h : fsdp::detail::handles_of(unit)) {
+      CHECK(h->is_sharded_strategy() == (c.strategy != ShardingStrategy::kNoShard && world_size() > 1));
+    }
+  }
 }

@@ -11,6 +11,7 @@
 #include <torch/optim/adamw.h>
 
 #include "composable/fully_shard.h"
+#include "composable/fully_shard_internal.h"
 #include "tests/composable/parity.h"
 #include "tests/composable/test_models.h"
 #include "tests/testing/multi_rank.h"
@@ -81,7 +82,7 @@ void run_mixed_precision_parity(at::ScalarType param_dtype, at::ScalarType reduc
     // All-gathers and reduce-scatters carry the low-precision dtypes.
     int64_t ag_bytes = 0, rs_bytes = 0;
     for (size_t u = 0; u < units.size(); ++u) {
-      const auto& h = units[u].handles()[0];
+      const auto& h = fsdp::detail::handles_of(units[u])[0];
       const int64_t calls = u + 1 == units.size() ? 1 : 2;
       ag_bytes += calls * h->layout().padded_numel * static_cast<int64_t>(c10::elementSize(param_dtype));
       rs_bytes += h->layout().padded_numel * static_cast<int64_t>(c10::elementSize(reduce));
@@ -171,7 +172,7 @@ FSDP_RANKS_TEST_CASE("mixed precision: gradients accumulate without sync in the 
   units.back().set_requires_gradient_sync(false);
   model(at::randn({3, 6})).to(at::kFloat).pow(2).mean().backward();
   for (const auto& u : units) {
-    const auto& h = u.handles()[0];
+    const auto& h = fsdp::detail::handles_of(u)[0];
     CHECK(h->reduce_dtype() == at::kBFloat16);
     CHECK(h->accumulated_grad_bytes() == static_cast<size_t>(h->layout().padded_numel * 2));
   }

@@ -20,6 +20,7 @@
 #include <torch/optim/sgd.h>
 
 #include "composable/fully_shard.h"
+#include "composable/fully_shard_internal.h"
 #include "fsdp/root_context.h"
 #include "tests/composable/test_models.h"
 #include "tools/bench/counting_allocator.h"
@@ -192,7 +193,7 @@ void check_parity(const std::string& name, const std::type_identity_t<Step<Model
     INFO("iteration " << it << ": loss " << loss.item<double>() << ", reference " << ref_loss.item<double>());
     CHECK(close(loss, ref_loss));
     for (const auto& u : units) {
-      for (const auto& h : u.handles()) CHECK(h->unsharded_bytes() == 0);
+      for (const auto& h : fsdp::detail::handles_of(u)) CHECK(h->unsharded_bytes() == 0);
     }
   }
   for (auto& u : units) u.unshard();
@@ -340,7 +341,7 @@ MemoryRun measure(bool sharded, const fsdp::FullyShardOptions& options, int teac
     model->probe = [&run, &units] {
       int64_t bytes = 0;
       for (const auto& u : units) {
-        for (const auto& h : u.handles()) bytes += static_cast<int64_t>(h->gradient_buffer_bytes());
+        for (const auto& h : fsdp::detail::handles_of(u)) bytes += static_cast<int64_t>(h->gradient_buffer_bytes());
       }
       run.peak_gradient_buffers = std::max(run.peak_gradient_buffers, bytes);
     };
@@ -348,13 +349,13 @@ MemoryRun measure(bool sharded, const fsdp::FullyShardOptions& options, int teac
   for (int it = 0; it < 3; ++it) {  // the last iteration is measured (lazy init and warm-up before)
     at::Tensor x = at::randn({2, kMemDim});
     at::Tensor loss = model(x).pow(2).mean();
-    if (sharded) units.back().state().root_context()->reset_peak_unsharded();
+    if (sharded) fsdp::detail::state_of(units.back()).root_context()->reset_peak_unsharded();
     const int64_t before = alloc.current();
     alloc.reset_peak();
     run.peak_gradient_buffers = 0;
     loss.backward();
     run.backward_rise = alloc.peak() - before;
-    if (sharded) run.peak_unsharded = units.back().state().root_context()->peak_unsharded();
+    if (sharded) run.peak_unsharded = fsdp::detail::state_of(units.back()).root_context()->peak_unsharded();
     for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();  // zero_grad(set_to_none)
   }
   return run;

@@ -15,6 +15,7 @@
 #include <torch/nn/module.h>
 
 #include "composable/fully_shard.h"
+#include "composable/fully_shard_internal.h"
 #include "contract/hookable_modules.h"
 #include "fsdp/fsdp_state.h"
 #include "tests/composable/test_models.h"
@@ -97,7 +98,7 @@ void check_gradients(const std::vector<fsdp::FSDPModule>& units, const std::vect
                      const std::vector<at::Tensor>& ref) {
   const int W = world_size();
   for (const auto& u : units) {
-    for (const auto& h : u.handles()) {
+    for (const auto& h : fsdp::detail::handles_of(u)) {
       for (size_t i = 0; i < h->params().size(); ++i) {
         const at::Tensor& p = h->params()[i].param;
         const auto it = std::find_if(params.begin(), params.end(), [&](const at::Tensor& q) { return q.is_same(p); });
@@ -105,7 +106,7 @@ void check_gradients(const std::vector<fsdp::FSDPModule>& units, const std::vect
         const at::Tensor full = ref[static_cast<size_t>(it - params.begin())].reshape({-1});
         const auto s = h->layout().slice_of(static_cast<int>(i), W == 1 ? 0 : rank());
         const at::Tensor expected = W == 1 ? full : full.narrow(0, s.param_begin, s.size());
-        INFO(u.state().fqn() << " '" << h->params()[i].fqn << "'");
+        INFO(u.fqn() << " '" << h->params()[i].fqn << "'");
         if (!p.grad().defined()) {
           CHECK(expected.abs().max().item<float>() == 0.0f);
           continue;
@@ -142,7 +143,7 @@ FSDP_RANKS_TEST_CASE("an auxiliary head whose output is held but unused keeps re
     model->probe = [&] {
       int64_t bytes = 0;
       for (const auto& u : units) {
-        for (const auto& h : u.handles()) bytes += static_cast<int64_t>(h->gradient_buffer_bytes());
+        for (const auto& h : fsdp::detail::handles_of(u)) bytes += static_cast<int64_t>(h->gradient_buffer_bytes());
       }
       peak = std::max(peak, bytes);
     };
@@ -209,7 +210,7 @@ FSDP_RANKS_TEST_CASE("a tied parameter moves alike when ranks differ in which pa
   const int64_t ones = rank() == 0 ? model->emb->weight.numel() : 0;
   if (rank() == 0) model->emb->weight.mutable_grad() = at::ones_like(model->emb->weight);
   auto root = fsdp::fully_shard(model, o);
-  REQUIRE(root.state().manages(model->emb->weight));
+  REQUIRE(root.manages(model->emb->weight));
   CHECK(same_on_every_rank(std::to_string(comm->sequence_number())));
   // Every rank holds the same full gradient (rank 0's shard of ones, zeros elsewhere), so the
   // sharded gradients add up to rank 0's count of ones; the bias held none anywhere and still has

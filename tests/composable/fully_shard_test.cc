@@ -12,6 +12,7 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include "composable/fully_shard.h"
+#include "composable/fully_shard_internal.h"
 #include "contract/forward_hooks.h"
 #include "contract/module_state.h"
 #include "tests/composable/parity.h"
@@ -45,7 +46,7 @@ size_t unsharded_bytes(torch::nn::Module& model) {
   size_t total = 0;
   for (const auto& item : model.named_modules()) {
     if (auto unit = fsdp::fsdp_module_of(*item.value())) {
-      for (const auto& h : unit->handles()) total += h->unsharded_bytes();
+      for (const auto& h : fsdp::detail::handles_of(*unit)) total += h->unsharded_bytes();
     }
   }
   return total;
@@ -135,7 +136,7 @@ FSDP_RANKS_TEST_CASE("a forward without backward reshards everything and leaves 
   }
   for (const auto& item : model->named_modules()) {
     if (auto unit = fsdp::fsdp_module_of(*item.value())) {
-      CHECK(unit->state().training_state() == fsdp::TrainingState::kIdle);
+      CHECK(fsdp::detail::state_of(*unit).training_state() == fsdp::TrainingState::kIdle);
     }
   }
   // Grad mode on but no backward: the next forward starts cleanly, and training goes on.
@@ -150,7 +151,7 @@ FSDP_RANKS_TEST_CASE("a forward without backward reshards everything and leaves 
   std::map<const void*, std::pair<const fsdp::FlatParamHandle*, int>> where;
   for (const auto& item : model->named_modules()) {
     if (auto unit = fsdp::fsdp_module_of(*item.value())) {
-      for (const auto& h : unit->handles()) {
+      for (const auto& h : fsdp::detail::handles_of(*unit)) {
         for (size_t i = 0; i < h->params().size(); ++i) {
           where[h->params()[i].param.unsafeGetTensorImpl()] = {h.get(), static_cast<int>(i)};
         }
@@ -180,11 +181,11 @@ FSDP_RANKS_TEST_CASE("unshard and reshard on demand", "[fully_shard][unshard]") 
   CHECK(model->block(0)->fc1->weight.dim() == sharded_dim);
   unit.unshard();
   CHECK(model->block(0)->fc1->weight.equal(reference->block(0)->fc1->weight));
-  const int64_t unsharded_bytes = world_size() > 1 ? unit.handles()[0]->layout().padded_numel * 4 : 0;
-  CHECK(static_cast<int64_t>(unit.handles()[0]->unsharded_bytes()) == unsharded_bytes);
+  const int64_t unsharded_bytes = world_size() > 1 ? fsdp::detail::handles_of(unit)[0]->layout().padded_numel * 4 : 0;
+  CHECK(static_cast<int64_t>(fsdp::detail::handles_of(unit)[0]->unsharded_bytes()) == unsharded_bytes);
   unit.reshard();
   CHECK(model->block(0)->fc1->weight.dim() == sharded_dim);
-  CHECK(unit.handles()[0]->unsharded_bytes() == 0);
+  CHECK(fsdp::detail::handles_of(unit)[0]->unsharded_bytes() == 0);
 }
 
 FSDP_RANKS_TEST_CASE("parameters used while sharded are caught in the first iteration", "[fully_shard][guard]") {
@@ -230,11 +231,11 @@ FSDP_RANKS_TEST_CASE("parameters of different dtypes go to separate FlatParamete
   auto reference = Mixed();
   auto unit = fsdp::fully_shard(model, options());
   // named_parameters order: the module's own "offset" first, then "fc.weight", "fc.bias".
-  REQUIRE(unit.handles().size() == 2);
-  CHECK(unit.handles()[0]->layout().dtype == at::kDouble);
-  CHECK(unit.handles()[0]->params()[0].fqn == "offset");
-  CHECK(unit.handles()[1]->layout().dtype == at::kFloat);
-  CHECK(unit.handles()[1]->params().size() == 2);
+  REQUIRE(fsdp::detail::handles_of(unit).size() == 2);
+  CHECK(fsdp::detail::handles_of(unit)[0]->layout().dtype == at::kDouble);
+  CHECK(fsdp::detail::handles_of(unit)[0]->params()[0].fqn == "offset");
+  CHECK(fsdp::detail::handles_of(unit)[1]->layout().dtype == at::kFloat);
+  CHECK(fsdp::detail::handles_of(unit)[1]->params().size() == 2);
   const at::Tensor x = at::randn({4, 3});
   at::Tensor out = model(x);
   CHECK(at::allclose(out, reference(x), 1e-6, 1e-6));
@@ -243,7 +244,7 @@ FSDP_RANKS_TEST_CASE("parameters of different dtypes go to separate FlatParamete
   unit.unshard();
   CHECK(model->offset.scalar_type() == at::kDouble);
   unit.reshard();
-  const auto slice = unit.handles()[0]->layout().slice_of(0, rank());
+  const auto slice = fsdp::detail::handles_of(unit)[0]->layout().slice_of(0, rank());
   CHECK(model->offset.grad().equal(
       reference->offset.grad().narrow(0, slice.param_begin, slice.size())));
 }

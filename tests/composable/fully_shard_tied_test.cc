@@ -27,6 +27,7 @@
 
 #include "checkpoint/state_dict.h"
 #include "composable/fully_shard.h"
+#include "composable/fully_shard_internal.h"
 #include "tests/composable/parity.h"
 #include "tests/composable/test_models.h"
 #include "tests/composable/tied_models.h"
@@ -67,7 +68,7 @@ std::vector<at::Tensor> unique_parameters(const torch::nn::Module& m) {
 int copies_of(const std::vector<FSDPModule>& units, const at::Tensor& param) {
   int copies = 0;
   for (const auto& u : units) {
-    for (const auto& h : u.handles()) {
+    for (const auto& h : fsdp::detail::handles_of(u)) {
       for (const auto& p : h->params()) copies += p.param.is_same(param) ? 1 : 0;
     }
   }
@@ -82,7 +83,7 @@ void check_placement(const torch::nn::Module& m, const std::vector<FSDPModule>& 
     CHECK(copies_of(units, item.value()) == 1);
   }
   INFO("the tied parameter belongs to unit #" << owner);
-  CHECK(units.at(owner).state().manages(tied));
+  CHECK(units.at(owner).manages(tied));
 }
 
 // A run_parity scenario over `model` (built by `make`), sharded by `shard`, which also returns the
@@ -292,7 +293,7 @@ void train_parity(const std::string& name, const std::function<Trainee()>& make,
   check_placement(*sharded.module, units, sharded.tied, sharded.tied_owner);
   CHECK(sharded.module->named_parameters().keys() == keys_before);
   for (const auto& u : units) {
-    for (const auto& h : u.handles()) {
+    for (const auto& h : fsdp::detail::handles_of(u)) {
       CHECK(h->local_shard().scalar_type() == at::kFloat);
       if (param_dtype) CHECK(h->compute_dtype() == *param_dtype);
     }
@@ -321,7 +322,7 @@ void train_parity(const std::string& name, const std::function<Trainee()>& make,
     opt.zero_grad();
     check_full_precision(params, opt);
     for (const auto& u : units) {
-      for (const auto& h : u.handles()) CHECK(h->unsharded_bytes() == 0);
+      for (const auto& h : fsdp::detail::handles_of(u)) CHECK(h->unsharded_bytes() == 0);
     }
 
     // The reference: every rank's batch, gradients averaged (in the reduce dtype, from
@@ -493,12 +494,12 @@ FSDP_RANKS_TEST_CASE("the tied weight moves at the root's fully_shard, before an
   auto emb = fsdp::fully_shard(model->emb, o);
   auto head = fsdp::fully_shard(model->head, o);
   // head uses emb's weight: it stays with emb until a unit contains both.
-  CHECK(emb.state().manages(model->emb->weight));
-  CHECK(head.handles().empty());
+  CHECK(emb.manages(model->emb->weight));
+  CHECK(fsdp::detail::handles_of(head).empty());
   auto root = fsdp::fully_shard(model, o);
-  CHECK(root.state().manages(model->emb->weight));
-  CHECK_FALSE(emb.state().manages(model->emb->weight));
-  CHECK(emb.state().manages(model->emb->bias));
+  CHECK(root.manages(model->emb->weight));
+  CHECK_FALSE(emb.manages(model->emb->weight));
+  CHECK(emb.manages(model->emb->bias));
   CHECK(model->head->weight.is_same(model->emb->weight));
   // Values unchanged by the move: the full parameters equal the reference's.
   for (auto* u : {&emb, &root}) u->unshard();
@@ -520,7 +521,7 @@ FSDP_RANKS_TEST_CASE("sync_module_states: the moved tied weight is rank 0's ever
   const auto o = FullyShardOptions().communicator(fresh_comm()).sync_module_states(true);
   std::vector<FSDPModule> units{fsdp::fully_shard(model->emb, o), fsdp::fully_shard(model->head, o),
                                 fsdp::fully_shard(model, o)};
-  CHECK(units.back().state().manages(model->emb->weight));
+  CHECK(units.back().manages(model->emb->weight));
   for (auto& u : units) u.unshard();
   const auto expected = rank0->named_parameters();
   for (const auto& item : model->named_parameters()) {
@@ -624,7 +625,7 @@ FSDP_RANKS_TEST_CASE("no unit contains both users of a tied weight: a clear erro
   auto head = fsdp::fully_shard(model->head, o);  // no fully_shard(model)
   const auto keys_before = model->named_parameters().keys();
   std::vector<at::Tensor> shards_before;
-  for (const auto& h : emb.handles()) shards_before.push_back(h->local_shard().clone());
+  for (const auto& h : fsdp::detail::handles_of(emb)) shards_before.push_back(h->local_shard().clone());
   const at::Tensor x = at::randn({3, kIn});
   for (int attempt = 0; attempt < 2; ++attempt) {  // refused every time, not only the first
     INFO("attempt " << attempt);
@@ -640,14 +641,14 @@ FSDP_RANKS_TEST_CASE("no unit contains both users of a tied weight: a clear erro
   // Nothing moved or changed.
   CHECK(model->named_parameters().keys() == keys_before);
   CHECK(model->head->weight.is_same(model->emb->weight));
-  CHECK(emb.state().manages(model->emb->weight));
-  CHECK(head.handles().empty());
-  REQUIRE(emb.handles().size() == shards_before.size());
-  for (size_t i = 0; i < shards_before.size(); ++i) CHECK(emb.handles()[i]->local_shard().equal(shards_before[i]));
-  CHECK(emb.handles()[0]->unsharded_bytes() == 0);
+  CHECK(emb.manages(model->emb->weight));
+  CHECK(fsdp::detail::handles_of(head).empty());
+  REQUIRE(fsdp::detail::handles_of(emb).size() == shards_before.size());
+  for (size_t i = 0; i < shards_before.size(); ++i) CHECK(fsdp::detail::handles_of(emb)[i]->local_shard().equal(shards_before[i]));
+  CHECK(fsdp::detail::handles_of(emb)[0]->unsharded_bytes() == 0);
   // Doing what the error says makes it work.
   auto root = fsdp::fully_shard(model, o);
-  CHECK(root.state().manages(model->emb->weight));
+  CHECK(root.manages(model->emb->weight));
   at::Tensor out = model(x);
   CHECK(at::allclose(out, reference(x), 1e-6, 1e-6));
   out.sum().backward();
@@ -661,18 +662,18 @@ FSDP_RANKS_TEST_CASE("a unit that ran forward or is unsharded cannot give a tied
     auto model = fsdp::testing::TiedParent(kIn, kHidden);
     auto enc = fsdp::fully_shard(model->inner->enc, o);
     enc.unshard();
-    if (enc.handles()[0]->is_unsharded()) {
+    if (fsdp::detail::handles_of(enc)[0]->is_unsharded()) {
       CHECK_THROWS_WITH(fsdp::fully_shard(model->inner, o),
                         Contains("fully_shard: module '<root>' (") && Contains("TiedInnerImpl)") &&
                             Contains("parameter 'w'") && Contains("('<root>', 'enc')") &&
                             Contains("from unit 'enc'") && Contains("Call reshard() on that unit"));
       CHECK_FALSE(fsdp::fsdp_module_of(*model->inner).has_value());
-      CHECK(enc.state().manages(model->inner->w));
-      CHECK(enc.handles()[0]->is_unsharded());
+      CHECK(enc.manages(model->inner->w));
+      CHECK(fsdp::detail::handles_of(enc)[0]->is_unsharded());
     }
     enc.reshard();
     auto inner = fsdp::fully_shard(model->inner, o);
-    CHECK(inner.state().manages(model->inner->w));
+    CHECK(inner.manages(model->inner->w));
   }
   {
     // enc ran as a root of its own before its parent was sharded: the weight cannot move any more.
@@ -684,14 +685,14 @@ FSDP_RANKS_TEST_CASE("a unit that ran forward or is unsharded cannot give a tied
       c10::NoGradGuard no_grad;
       model->inner->enc(at::randn({2, kHidden}));
     }
-    const at::Tensor shard_before = enc.handles()[0]->local_shard().clone();
+    const at::Tensor shard_before = fsdp::detail::handles_of(enc)[0]->local_shard().clone();
     CHECK_THROWS_WITH(fsdp::fully_shard(model->inner, o),
                       Contains("fully_shard: module '<root>' (") && Contains("TiedInnerImpl)") &&
                           Contains("parameter 'w'") && Contains("from unit 'enc'") &&
                           Contains("already ran forward") && Contains("before the first forward"));
     CHECK_FALSE(fsdp::fsdp_module_of(*model->inner).has_value());
-    CHECK(enc.state().manages(model->inner->w));
-    CHECK(enc.handles()[0]->local_shard().equal(shard_before));
+    CHECK(enc.manages(model->inner->w));
+    CHECK(fsdp::detail::handles_of(enc)[0]->local_shard().equal(shard_before));
     CHECK(model->named_parameters().keys() == keys_before);
   }
 }
@@ -706,21 +707,21 @@ FSDP_RANKS_TEST_CASE("a unit managing a tied weight must contain its users insid
   const auto o = FullyShardOptions().communicator(fresh_comm());
   auto across = fsdp::fully_shard({model->pair->a.ptr().get(), model->y->proj.ptr().get()}, o);
   auto pair = fsdp::fully_shard(model->pair, o);
-  CHECK(across.state().manages(model->pair->a->weight));  // the pair unit does not contain y.proj
+  CHECK(across.manages(model->pair->a->weight));  // the pair unit does not contain y.proj
   const auto keys_before = model->named_parameters().keys();
-  const at::Tensor shard_before = across.handles()[0]->local_shard().clone();
+  const at::Tensor shard_before = fsdp::detail::handles_of(across)[0]->local_shard().clone();
   const at::Tensor x = at::randn({3, kIn});
   CHECK_THROWS_WITH(model(x), Contains("fully_shard: parameter 'a.weight' is used by modules 'a', 'b'") &&
                                   Contains("TiedPairImpl)") && Contains("managed by unit 'a'") &&
                                   Contains("which does not contain 'b'") &&
                                   Contains("Apply fully_shard to a module that contains all of them"));
   CHECK(model->named_parameters().keys() == keys_before);
-  CHECK(across.state().manages(model->pair->a->weight));
-  CHECK(across.handles()[0]->local_shard().equal(shard_before));
+  CHECK(across.manages(model->pair->a->weight));
+  CHECK(fsdp::detail::handles_of(across)[0]->local_shard().equal(shard_before));
   // fully_shard on the model, which contains every user, takes the weight over.
   auto root = fsdp::fully_shard(model, o);
-  CHECK(root.state().manages(model->pair->a->weight));
-  CHECK_FALSE(across.state().manages(model->pair->a->weight));
+  CHECK(root.manages(model->pair->a->weight));
+  CHECK_FALSE(across.manages(model->pair->a->weight));
   at::Tensor out = model(x);
   CHECK(at::allclose(out, reference(x), 1e-6, 1e-6));
   out.sum().backward();

@@ -12,6 +12,7 @@
 #include <torch/optim/adamw.h>
 
 #include "composable/fully_shard.h"
+#include "composable/fully_shard_internal.h"
 #include "examples/gpt_model.h"
 #include "tests/composable/test_models.h"
 #include "tests/testing/multi_rank.h"
@@ -71,7 +72,7 @@ void run_lm_parity(const std::function<LanguageModel()>& make, fsdp::ShardingStr
     INFO("iteration " << it << ": loss " << loss.item<double>() << ", reference " << ref_loss.item<double>());
     CHECK(close(loss.detach(), ref_loss));
     for (const auto& u : units) {
-      for (const auto& h : u.handles()) CHECK(h->unsharded_bytes() == 0);
+      for (const auto& h : fsdp::detail::handles_of(u)) CHECK(h->unsharded_bytes() == 0);
     }
   }
   for (auto& u : units) u.unshard();

@@ -12,6 +12,7 @@
 #include <torch/optim/adamw.h>
 
 #include "composable/fully_shard.h"
+#include "composable/fully_shard_internal.h"
 #include "fsdp/flat_param_layout.h"
 #include "tests/composable/parity.h"
 #include "tests/composable/test_models.h"
@@ -57,7 +58,7 @@ ParityOptions strategy(ShardingStrategy s, Optim optim = Optim::kAdamW) {
 size_t total(const std::vector<fsdp::FSDPModule>& units, size_t (fsdp::FlatParamHandle::*bytes)() const) {
   size_t sum = 0;
   for (const auto& u : units) {
-    for (const auto& h : u.handles()) sum += ((*h).*bytes)();
+    for (const auto& h : fsdp::detail::handles_of(u)) sum += ((*h).*bytes)();
   }
   return sum;
 }
@@ -107,7 +108,7 @@ FSDP_RANKS_TEST_CASE("frozen split: gradient bytes drop by exactly the frozen pa
     int64_t frozen_handles = 0;
     for (const auto& u : units) {
       std::vector<fsdp::FlatParamInput> all, trainable;
-      for (const auto& h : u.handles()) {
+      for (const auto& h : fsdp::detail::handles_of(u)) {
         frozen_handles += h->requires_grad() ? 0 : 1;
         for (size_t i = 0; i < h->params().size(); ++i) {
           all.push_back({h->params()[i].fqn, h->layout().entries[i].shape});
@@ -119,7 +120,7 @@ FSDP_RANKS_TEST_CASE("frozen split: gradient bytes drop by exactly the frozen pa
       const int64_t trainable_shard =
           trainable.empty() ? 0 : fsdp::make_flat_param_layout(trainable, at::kFloat, W).shard_numel();
       frozen_share += (all_shard - trainable_shard) * 4;
-      for (const auto& h : u.handles()) {
+      for (const auto& h : fsdp::detail::handles_of(u)) {
         if (!h->requires_grad()) CHECK(h->sharded_grad_bytes() == 0);
       }
     }
@@ -166,9 +167,9 @@ FSDP_RANKS_TEST_CASE("sibling modules as one unit", "[unit_model][siblings]") {
   auto model = fsdp::testing::Siblings(4);
   auto unit = fsdp::fully_shard({model->a.ptr().get(), model->b.ptr().get()},
                                 fsdp::FullyShardOptions().communicator(fresh_comm()));
-  REQUIRE(unit.handles().size() == 1);
-  CHECK(unit.handles()[0]->params().size() == 4);
-  CHECK(fsdp::fsdp_module_of(*model->b)->handles()[0].get() == unit.handles()[0].get());
+  REQUIRE(fsdp::detail::handles_of(unit).size() == 1);
+  CHECK(fsdp::detail::handles_of(unit)[0]->params().size() == 4);
+  CHECK(fsdp::detail::handles_of(*fsdp::fsdp_module_of(*model->b))[0].get() == fsdp::detail::handles_of(unit)[0].get());
   CHECK_THROWS_WITH(fsdp::fully_shard({model.ptr().get(), model->c.ptr().get()},
                                       fsdp::FullyShardOptions().communicator(fresh_comm())),
                     Contains("siblings"));
@@ -200,13 +201,13 @@ FSDP_RANKS_TEST_CASE("a tied parameter lives in the innermost unit containing ev
   model(at::randn({2, 4})).sum().backward();
   int copies = 0;
   for (const auto* unit : {&enc, &root}) {
-    for (const auto& h : unit->handles()) {
+    for (const auto& h : fsdp::detail::handles_of(*unit)) {
       for (const auto& p : h->params()) copies += p.param.is_same(model->enc->weight) ? 1 : 0;
     }
   }
   CHECK(copies == 1);
-  CHECK(root.state().manages(model->enc->weight));
-  CHECK_FALSE(enc.state().manages(model->enc->weight));
+  CHECK(root.manages(model->enc->weight));
+  CHECK_FALSE(enc.manages(model->enc->weight));
   CHECK(model->proj->weight.is_same(model->enc->weight));
 }
 
@@ -232,7 +233,7 @@ FSDP_RANKS_TEST_CASE("a module called twice in one forward, and a parameter-free
   auto reference = fsdp::testing::Twice(4);
   const auto o = fsdp::FullyShardOptions().communicator(fresh_comm());
   auto act = fsdp::fully_shard(model->act, o);
-  CHECK(act.handles().empty());
+  CHECK(fsdp::detail::handles_of(act).empty());
   fsdp::fully_shard(model->shared, o);
   fsdp::fully_shard(model, o);
   const at::Tensor x = at::randn({3, 4});
@@ -294,7 +295,7 @@ FSDP_RANKS_TEST_CASE("gradient accumulation without sync equals one large batch"
         CHECK(rs == 0);  // no reduce-scatter while sync is off
         for (const auto& u : units) {
           // One rank: autograd accumulates in `.grad` itself, as in local training.
-          for (const auto& h : u.handles()) CHECK((h->accumulated_grad_bytes() > 0) == (W > 1));
+          for (const auto& h : fsdp::detail::handles_of(u)) CHECK((h->accumulated_grad_bytes() > 0) == (W > 1));
         }
       } else {
         CHECK(rs == (W > 1 ? 3 : 0));  // one rank communicates nothing
@@ -305,7 +306,7 @@ FSDP_RANKS_TEST_CASE("gradient accumulation without sync equals one large batch"
       if (W == 1) CHECK(ag == 0);
     }
     for (const auto& u : units) {
-      for (const auto& h : u.handles()) {
+      for (const auto& h : fsdp::detail::handles_of(u)) {
         CHECK(h->unsharded_bytes() == 0);
         CHECK(h->accumulated_grad_bytes() == 0);
       }
@@ -319,7 +320,7 @@ FSDP_RANKS_TEST_CASE("gradient accumulation without sync equals one large batch"
     }
     std::map<const void*, std::pair<const fsdp::FlatParamHandle*, int>> where;
     for (const auto& u : units) {
-      for (const auto& h : u.handles()) {
+      for (const auto& h : fsdp::detail::handles_of(u)) {
         for (size_t i = 0; i < h->params().size(); ++i) where[h->params()[i].param.unsafeGetTensorImpl()] = {h.get(), static_cast<int>(i)};
       }
     }
@@ -401,6 +402,6 @@ FSDP_RANKS_TEST_CASE("CPU offload keeps shards and gradients in host memory and 
   auto model = fsdp::testing::MlpStack(4, 8, 8, 2, 2);
   auto unit = fsdp::fully_shard(model, fsdp::FullyShardOptions().communicator(fresh_comm()).offload_to_cpu(true));
   model(at::randn({2, 4})).sum().backward();
-  CHECK(unit.handles()[0]->local_shard().device().is_cpu());
+  CHECK(fsdp::detail::handles_of(unit)[0]->local_shard().device().is_cpu());
   CHECK(model->head->weight.grad().device().is_cpu());
 }

@@ -16,6 +16,7 @@
 #include "checkpoint/state_dict.h"
 #include "composable/clip_grad_norm.h"
 #include "composable/fully_shard.h"
+#include "composable/fully_shard_internal.h"
 #include "composable/summon_full_params.h"
 #include "contract/module_state.h"
 #include "tests/composable/test_models.h"
@@ -138,7 +139,7 @@ FSDP_RANKS_TEST_CASE("ignored parameters stay whole and local; averaged by the u
   std::unordered_set<const void*> managed;
   int64_t managed_numel = 0;
   for (const auto& u : units) {
-    for (const auto& h : u.handles()) {
+    for (const auto& h : fsdp::detail::handles_of(u)) {
       for (const auto& e : h->layout().entries) managed_numel += e.numel;
       for (const auto& p : h->params()) CHECK(managed.insert(p.param.unsafeGetTensorImpl()).second);
     }
@@ -159,7 +160,7 @@ FSDP_RANKS_TEST_CASE("ignored parameters stay whole and local; averaged by the u
     if (is_ignored(model, item.key())) {
       ignored_numel += item.value().numel();
       CHECK(managed.count(item.value().unsafeGetTensorImpl()) == 0);
-      CHECK(units.back().state().ignores(item.value()));
+      CHECK(units.back().ignores(item.value()));
       kept.push_back({item.key(), item.value(), item.value().unsafeGetTensorImpl(), item.value().data_ptr(),
                       item.value().sizes().vec()});
     } else {
@@ -169,10 +170,10 @@ FSDP_RANKS_TEST_CASE("ignored parameters stay whole and local; averaged by the u
   CHECK(kept.size() == ignored_fqns(model).size());
   CHECK(managed_numel == total_numel - ignored_numel);
   // The block's ignored bias stays ignored by the root, which was not told about it.
-  CHECK(units.front().state().ignores(model->block(0)->fc1->bias));
-  CHECK(units.back().state().ignores(model->block(0)->fc1->bias));
+  CHECK(units.front().ignores(model->block(0)->fc1->bias));
+  CHECK(units.back().ignores(model->block(0)->fc1->bias));
   // The ignored module's buffer is no unit's business either.
-  CHECK(units.back().state().ignored_buffers().size() == 1);
+  CHECK(fsdp::detail::state_of(units.back()).ignored_buffers().size() == 1);
 
   torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
   torch::optim::Adam ref_opt(reference->parameters(), torch::optim::AdamOptions(1e-2));
@@ -207,7 +208,7 @@ FSDP_RANKS_TEST_CASE("ignored parameters stay whole and local; averaged by the u
       // one for the root; one reduce-scatter each).
       int64_t ag_bytes = 0, rs_bytes = 0;
       for (size_t u = 0; u < units.size(); ++u) {
-        for (const auto& h : units[u].handles()) {
+        for (const auto& h : fsdp::detail::handles_of(units[u])) {
           const int64_t bytes = h->layout().padded_numel * 4;
           ag_bytes += (u + 1 == units.size() ? 1 : 2) * bytes;
           rs_bytes += bytes;
@@ -223,7 +224,7 @@ FSDP_RANKS_TEST_CASE("ignored parameters stay whole and local; averaged by the u
   // The root FlatParameter is smaller than the root's own parameters with the ignored ones
   // (alignment adds at most 3 elements per parameter, padding at most W - 1).
   int64_t root_padded = 0;
-  for (const auto& h : units.back().handles()) root_padded += h->layout().padded_numel;
+  for (const auto& h : fsdp::detail::handles_of(units.back())) root_padded += h->layout().padded_numel;
   const int64_t root_own = 6 * 8 + 8 + 8 * 3 + 3;  // in and head
   CHECK(root_padded <= root_own + 3 * 4 + (W - 1));
 
@@ -474,7 +475,7 @@ FSDP_RANKS_TEST_CASE("a non-floating-point parameter can be ignored, and stays i
   units.push_back(fsdp::fully_shard(model->block(1), fsdp::FullyShardOptions(options).ignored_params({count})));
   units.push_back(fsdp::fully_shard(model->block(2), options));
   units.push_back(fsdp::fully_shard(model, options));  // inherits the block's ignored parameter
-  CHECK(units.back().state().ignores(count));
+  CHECK(units.back().ignores(count));
   const void* data = count.data_ptr();
   for (int it = 0; it < 2; ++it) {
     model(batch(it, rank(), 6, 1)).sum().backward();

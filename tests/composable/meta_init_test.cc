@@ -12,6 +12,7 @@
 #include "checkpoint/state_dict.h"
 #include "comm/communicator.h"
 #include "composable/fully_shard.h"
+#include "composable/fully_shard_internal.h"
 #include "init/meta_init.h"
 #include "tests/composable/parity.h"
 #include "tests/composable/test_models.h"
@@ -161,7 +162,7 @@ TEST_CASE("param_init_fn initializes each rank's parameters, and only those it h
   // The buffer was initialized whole on every rank; each parameter only where this rank holds some of it.
   std::multiset<std::string> expected{"offset"};
   for (const auto& unit : units) {
-    for (const auto& h : unit.state().handles()) {
+    for (const auto& h : fsdp::detail::handles_of(unit)) {
       const int r = h->is_sharded_strategy() ? fsdp::testing::rank() : 0;
       for (size_t i = 0; i < h->params().size(); ++i) {
         if (h->layout().slice_of(i, r).size() > 0) expected.insert(h->params()[i].fqn);

@@ -6,6 +6,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include "composable/fully_shard_internal.h"
 #include "tests/testing/multi_rank.h"
 
 namespace fsdp::testing {
@@ -43,19 +44,19 @@ CollectiveCounts expected_counts(const std::vector<fsdp::FSDPModule>& units, int
   CollectiveCounts counts;
   for (size_t u = 0; u < units.size(); ++u) {
     const bool is_root = u + 1 == units.size();
-    const auto& config = units[u].state().config();
-    for (const auto& h : units[u].handles()) {
+    const auto& config = fsdp::detail::state_of(units[u]).config();
+    for (const auto& h : fsdp::detail::handles_of(units[u])) {
       const bool trainable = h->requires_grad();
       if (h->is_sharded_strategy()) {
         // Forward (once per call when resharded after each) and backward (once per call: the
         // unit is resharded after each call's backward), or once when kept unsharded.
-        const bool reshards = config.reshard_after_forward && !is_root;
+        const bool reshards = config.reshard_after_forward() && !is_root;
         counts.all_gathers += reshards ? 2 * forward_calls_per_unit : 1;
         counts.reduce_scatters += trainable ? 1 : 0;
       } else if (config.comm->size() > 1) {  // NO_SHARD: all-reduced; one rank: nothing
         counts.all_reduces += trainable ? 1 : 0;
       }
-      const auto& replicate = config.handle.replicate;
+      const auto& replicate = config.replicate;
       counts.all_reduces += replicate && replicate->size() > 1 && trainable ? 1 : 0;
     }
   }
@@ -150,7 +151,7 @@ void run_parity(const Scenario& scenario, const ParityOptions& options) {
     INFO("iteration " << it << ": loss " << loss.item<double>() << " reference " << ref_loss.item<double>());
     CHECK(close(loss.detach(), ref_loss));
     for (const auto& u : units) {
-      for (const auto& h : u.handles()) CHECK(h->unsharded_bytes() == 0);
+      for (const auto& h : fsdp::detail::handles_of(u)) CHECK(h->unsharded_bytes() == 0);
     }
     if (it == 0) {
       per_pass = expected_counts(units, 1 + scenario.extra_forward_calls);

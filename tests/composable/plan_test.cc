@@ -31,6 +31,7 @@
 
 #include "comm/device_mesh.h"
 #include "composable/fully_shard.h"
+#include "composable/fully_shard_internal.h"
 #include "composable/plan.h"
 #include "examples/gpt_model.h"
 #include "tests/composable/test_models.h"
@@ -368,7 +369,7 @@ UnshardedRun unsharded_peak(const std::function<Trainee()>& make, const FullySha
   std::vector<const c10::StorageImpl*> storages;
   for (auto& unit : units) {
     unit.unshard();
-    for (const auto& h : unit.handles()) {
+    for (const auto& h : fsdp::detail::handles_of(unit)) {
       if (h->is_unsharded()) storages.push_back(h->params().front().param.storage().unsafeGetStorageImpl());
     }
     unit.reshard();
@@ -378,7 +379,7 @@ UnshardedRun unsharded_peak(const std::function<Trainee()>& make, const FullySha
     net->probe = [&run, &units] {
       int64_t bytes = 0;
       for (const auto& u : units) {
-        for (const auto& h : u.handles()) bytes += static_cast<int64_t>(h->gradient_buffer_bytes());
+        for (const auto& h : fsdp::detail::handles_of(u)) bytes += static_cast<int64_t>(h->gradient_buffer_bytes());
       }
       run.sampled_grad_buffers = std::max(run.sampled_grad_buffers, bytes);
     };

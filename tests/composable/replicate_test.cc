@@ -14,6 +14,7 @@
 #include <torch/optim/sgd.h>
 
 #include "composable/fully_shard.h"
+#include "composable/fully_shard_internal.h"
 #include "composable/replicate.h"
 #include "contract/forward_hooks.h"
 #include "contract/module_state.h"
@@ -167,7 +168,7 @@ RunResult run_parity(const Model& m, const RunOptions& o) {
             buckets - o.buckets_at_end);
     }
     for (const auto& u : model.units) {
-      for (const auto& h : u.handles()) CHECK(h->unsharded_bytes() == 0);
+      for (const auto& h : fsdp::detail::handles_of(u)) CHECK(h->unsharded_bytes() == 0);
     }
   }
 

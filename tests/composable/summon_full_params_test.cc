@@ -13,6 +13,7 @@
 #include <torch/optim/sgd.h>
 
 #include "checkpoint/state_dict.h"
+#include "composable/fully_shard_internal.h"
 #include "composable/summon_full_params.h"
 #include "tests/composable/parity.h"
 #include "tests/composable/test_models.h"
@@ -111,7 +112,7 @@ void check_restored(torch::nn::Module& m, const Snapshot& before) {
 
 void check_no_unsharded_storage(const std::vector<fsdp::FSDPModule>& units) {
   for (const auto& u : units) {
-    for (const auto& h : u.handles()) CHECK(h->unsharded_bytes() == 0);
+    for (const auto& h : fsdp::detail::handles_of(u)) CHECK(h->unsharded_bytes() == 0);
   }
 }
 
@@ -258,7 +259,7 @@ FSDP_RANKS_TEST_CASE("offload_to_cpu: the full parameters are distinct host copi
     {
       fsdp::SummonFullParams full(p.root(), fsdp::SummonFullParamsOptions().offload_to_cpu(true));
       for (const auto& unit : p.units) {
-        for (const auto& h : unit.handles()) {
+        for (const auto& h : fsdp::detail::handles_of(unit)) {
           for (const auto& orig : h->params()) {
             INFO(orig.fqn);
             CHECK(orig.param.device().is_cpu());
@@ -397,7 +398,7 @@ FSDP_RANKS_TEST_CASE("mixed precision: full-precision values, also for units kep
   backward_sharded(p.model, 0);
   std::vector<bool> was_unsharded;
   for (const auto& u : p.units) {
-    for (const auto& h : u.handles()) was_unsharded.push_back(h->is_unsharded());
+    for (const auto& h : fsdp::detail::handles_of(u)) was_unsharded.push_back(h->is_unsharded());
   }
   {
     fsdp::SummonFullParams full(p.root());
@@ -418,14 +419,14 @@ FSDP_RANKS_TEST_CASE("mixed precision: full-precision values, also for units kep
   }
   size_t k = 0;
   for (const auto& u : p.units) {
-    for (const auto& h : u.handles()) {
-      INFO(u.state().fqn());
+    for (const auto& h : fsdp::detail::handles_of(u)) {
+      INFO(u.fqn());
       CHECK(h->is_unsharded() == was_unsharded[k++]);
       if (!h->is_unsharded()) continue;
       for (const auto& orig : h->params()) {  // unsharded again, from the edited shards
-        const at::Tensor expected = p.reference->named_parameters()[u.state().fqn() == "<root>"
+        const at::Tensor expected = p.reference->named_parameters()[u.fqn() == "<root>"
                                                                         ? orig.fqn
-                                                                        : u.state().fqn() + "." + orig.fqn];
+                                                                        : u.fqn() + "." + orig.fqn];
         CHECK(orig.param.scalar_type() == at::kBFloat16);
         CHECK(orig.param.equal(expected.to(at::kBFloat16)));
       }
@@ -568,7 +569,7 @@ FSDP_RANKS_TEST_CASE("a throw or a wrong-shape edit on one rank writes back noth
     }
     std::vector<bool> was_unsharded;
     for (const auto& u : p.units) {
-      for (const auto& h : u.handles()) was_unsharded.push_back(h->is_unsharded());
+      for (const auto& h : fsdp::detail::handles_of(u)) was_unsharded.push_back(h->is_unsharded());
     }
     const Snapshot shapes = snapshot(*p.model);
     const auto before = fsdp::full_state_dict(p.root(), fsdp::FullStateDictOptions().rank0_only(false));
@@ -578,7 +579,7 @@ FSDP_RANKS_TEST_CASE("a throw or a wrong-shape edit on one rank writes back noth
       check_restored(*p.model, shapes);
       size_t k = 0;
       for (const auto& u : p.units) {
-        for (const auto& h : u.handles()) CHECK(h->is_unsharded() == was_unsharded[k++]);
+        for (const auto& h : fsdp::detail::handles_of(u)) CHECK(h->is_unsharded() == was_unsharded[k++]);
       }
       const auto after = fsdp::full_state_dict(p.root(), fsdp::FullStateDictOptions().rank0_only(false));
       for (const auto& item : before) {

@@ -13,6 +13,7 @@
 #include <torch/optim/adamw.h>
 
 #include "composable/fully_shard.h"
+#include "composable/fully_shard_internal.h"
 #include "composable/fully_shard_tree.h"
 #include "composable/wrap_policy.h"
 #include "contract/module_state.h"
@@ -202,7 +203,7 @@ FSDP_RANKS_TEST_CASE("fully_shard_tree by block type: one unit per block and the
   CHECK(&units.back().module() == model.ptr().get());
   // The root holds the rest: embeddings (with the tied output weight) and the final LayerNorm.
   std::vector<std::string> root_params;
-  for (const auto& h : units.back().handles()) {
+  for (const auto& h : fsdp::detail::handles_of(units.back())) {
     for (const auto& p : h->params()) root_params.push_back(p.fqn);
   }
   CHECK(root_params == std::vector<std::string>{"tok_emb.weight", "pos_emb.weight", "ln_f.weight", "ln_f.bias"});
@@ -295,10 +296,10 @@ FSDP_RANKS_TEST_CASE("fully_shard_tree with ignored parameters passes each unit 
       model, WrapPolicy::module_types<fsdp::testing::MlpBlockImpl>(),
       fsdp::FullyShardOptions().communicator(comm).ignored_params({ignored}).ignored_modules({model->head.ptr()}));
   REQUIRE(units.size() == 4);
-  CHECK(units[1].state().ignores(ignored));
-  CHECK_FALSE(units[0].state().ignores(ignored));
-  CHECK(units.back().state().ignores(ignored));
-  CHECK(units.back().state().ignores(model->head->weight));
+  CHECK(units[1].ignores(ignored));
+  CHECK_FALSE(units[0].ignores(ignored));
+  CHECK(units.back().ignores(ignored));
+  CHECK(units.back().ignores(model->head->weight));
   CHECK(ignored.sizes() == at::IntArrayRef({8, 16}));
   CHECK(model->head->weight.sizes() == at::IntArrayRef({3, 8}));
   at::Tensor out = model(at::randn({2, 6}));

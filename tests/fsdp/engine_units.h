@@ -39,9 +39,10 @@ inline std::shared_ptr<FSDPState> make_unit(torch::nn::Module& module, const std
                                             UnitOptions options = {}) {
   FSDPConfig config;
   config.comm = std::move(comm);
-  config.handle.shard = options.shard;
-  config.reshard_after_forward = options.reshard_after_forward;
-  config.max_unshards_in_flight = options.max_unshards_in_flight;
+  config.options.strategy(!options.shard                 ? ShardingStrategy::kNoShard
+                          : options.reshard_after_forward ? ShardingStrategy::kFullShard
+                                                          : ShardingStrategy::kShardGradOp);
+  config.options.max_unshards_in_flight(options.max_unshards_in_flight);
   std::vector<FlatParamHandle::OrigParam> params;
   for (const auto& item : module.named_parameters()) params.push_back({item.key(), item.value()});
   auto handles = FSDPState::make_handles(params, config, fqn);

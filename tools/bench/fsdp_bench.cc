@@ -45,6 +45,7 @@
 
 #include "comm/init.h"
 #include "composable/fully_shard.h"
+#include "composable/fully_shard_internal.h"
 #include "examples/gpt_model.h"
 #include "tools/bench/bench_models.h"
 #include "tools/bench/counting_allocator.h"
@@ -284,7 +285,7 @@ const char* kind_name(CollectiveKind kind) {
 void write_handles(JsonWriter& w, const std::vector<fsdp::FSDPModule>& units) {
   w.begin_array();
   for (size_t u = 0; u < units.size(); ++u) {
-    for (const auto& h : units[u].handles()) {
+    for (const auto& h : fsdp::detail::handles_of(units[u])) {
       const auto& layout = h->layout();
       w.begin_object()
           .member("unit", h->unit_fqn())
@@ -340,7 +341,7 @@ void bench_timing(JsonWriter& w, const std::string& model, const Flags& f, const
       const auto t0 = Clock::now();
       for (size_t u = 0; u < sharded.units.size(); ++u) {
         const bool root = u + 1 == sharded.units.size();
-        for (const auto& h : sharded.units[u].handles()) {
+        for (const auto& h : fsdp::detail::handles_of(sharded.units[u])) {
           for (int call = 0; call < (root ? 1 : 2); ++call) {
             at::Tensor out = at::empty({h->layout().padded_numel}, h->local_shard().options());
             comm.all_gather_into_tensor(out, h->local_shard()).wait();
@@ -348,7 +349,7 @@ void bench_timing(JsonWriter& w, const std::string& model, const Flags& f, const
         }
       }
       for (size_t u = sharded.units.size(); u-- > 0;) {
-        for (const auto& h : sharded.units[u].handles()) {
+        for (const auto& h : fsdp::detail::handles_of(sharded.units[u])) {
           if (!h->requires_grad()) continue;
           at::Tensor in = at::zeros({h->layout().padded_numel}, h->local_shard().options());
           at::Tensor out = at::empty({h->layout().shard_numel()}, h->local_shard().options());
@@ -364,7 +365,7 @@ void bench_timing(JsonWriter& w, const std::string& model, const Flags& f, const
   w.member("warmup", warmup).member("steps", steps);
   w.member("units_with_params", static_cast<int64_t>(std::count_if(
                                     sharded.units.begin(), sharded.units.end(),
-                                    [](const fsdp::FSDPModule& u) { return !u.handles().empty(); })));
+                                    [](const fsdp::FSDPModule& u) { return !fsdp::detail::handles_of(u).empty(); })));
   w.member("units", static_cast<int64_t>(sharded.units.size()));
   w.key("variants").begin_object();
   for (const auto& tr : trainees) {
@@ -467,7 +468,7 @@ void bench_memory(JsonWriter& w, const std::string& model, bool fsdp, const Flag
       std::vector<const c10::StorageImpl*> storages;
       for (auto& unit : tr->units) {
         unit.unshard();
-        for (const auto& h : unit.handles()) {
+        for (const auto& h : fsdp::detail::handles_of(unit)) {
           const c10::StorageImpl* s = h->params().front().param.storage().unsafeGetStorageImpl();
           if (h->is_sharded_strategy() && s != h->local_shard().storage().unsafeGetStorageImpl()) {
             storages.push_back(s);
@@ -476,7 +477,7 @@ void bench_memory(JsonWriter& w, const std::string& model, bool fsdp, const Flag
         unit.reshard();
       }
       alloc.watch(storages);
-      max_in_flight = tr->units.back().state().config().max_unshards_in_flight;
+      max_in_flight = tr->units.back().options().max_unshards_in_flight();
     }
     for (int64_t k = 0; k < kMemoryMeasuredSteps; ++k) {
       const int64_t i = kMemoryWarmupSteps + k;
@@ -507,10 +508,8 @@ void bench_memory(JsonWriter& w, const std::string& model, bool fsdp, const Flag
                              optim_bytes.add(s.max_exp_avg_sq());
             }
             for (auto& unit : tr->units) {
-              for (const auto& h : unit.handles()) {
-                lib_shards += static_cast<int64_t>(h->local_shard().nbytes());
-                lib_grads += static_cast<int64_t>(h->sharded_grad_bytes());
-              }
+              lib_shards += unit.sharded_param_bytes();
+              lib_grads += unit.sharded_grad_bytes();
             }
           });
       const int64_t peak = alloc.peak_since_mark();

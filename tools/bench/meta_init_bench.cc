@@ -105,9 +105,7 @@ int main(int argc, char** argv) {
                                         fsdp::FullyShardOptions().device(group.device));
     const double shard_s = seconds_since(shard_start);
     int64_t shard_bytes = 0;
-    for (const auto& unit : units) {
-      for (const auto& h : unit.state().handles()) shard_bytes += h->local_shard().nbytes();
-    }
+    for (const auto& unit : units) shard_bytes += unit.sharded_param_bytes();
     const int64_t live = alloc.current(), peak = alloc.peak() - base_peak;
     const int64_t rss = status_bytes("VmRSS"), hwm = status_bytes("VmHWM");
     char line[512];

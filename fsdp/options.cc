@@ -1,0 +1,39 @@
+#include "fsdp/options.h"
+
+namespace fsdp {
+
+const char* to_string(ShardingStrategy strategy) {
+  switch (strategy) {
+    case ShardingStrategy::kFullShard: return "FULL_SHARD";
+    case ShardingStrategy::kShardGradOp: return "SHARD_GRAD_OP";
+    case ShardingStrategy::kNoShard: return "NO_SHARD";
+  }
+  return "?";
+}
+
+ShardingStrategy FullyShardOptions::strategy() const {
+  if (strategy_) return *strategy_;
+  if (reshard_after_forward_ && !*reshard_after_forward_) return ShardingStrategy::kShardGradOp;
+  return ShardingStrategy::kFullShard;
+}
+
+bool FullyShardOptions::reshard_after_forward() const { return reshards_after_forward(strategy()); }
+
+bool reshards_after_forward(ShardingStrategy strategy) { return strategy == ShardingStrategy::kFullShard; }
+
+bool shards(ShardingStrategy strategy) { return strategy != ShardingStrategy::kNoShard; }
+
+std::optional<c10::ScalarType> forward_input_dtype(const MixedPrecision& mixed_precision) {
+  if (!mixed_precision.cast_forward_inputs()) return std::nullopt;
+  return mixed_precision.param_dtype();
+}
+
+std::string strategy_conflict(const FullyShardOptions& options) {
+  const auto& strategy = options.strategy_setting();
+  const auto& reshard = options.reshard_after_forward_setting();
+  if (!strategy || !reshard || reshards_after_forward(*strategy) == *reshard) return "";
+  return std::string("strategy ") + to_string(*strategy) + " with reshard_after_forward(" +
+         (*reshard ? "true" : "false") + ")";
+}
+
+}  // namespace fsdp
