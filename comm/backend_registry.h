@@ -8,6 +8,7 @@
 #include <c10/core/Device.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "comm/collective_timeout.h"
 #include "comm/launch_env.h"
 
 namespace fsdp::comm {
@@ -17,7 +18,7 @@ namespace fsdp::comm {
 /// collective.
 struct BackendRequest {
   at::Device device = at::kCPU;
-  std::chrono::milliseconds timeout{600000};
+  std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
   bool eager_init = false;
 };
 

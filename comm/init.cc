@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 
 #include "comm/backend_registry.h"
+#include "comm/collective_timeout.h"
 #include "comm/mpi_backend.h"
 #include "comm/mpi_runtime.h"
 
@@ -73,7 +74,7 @@ std::chrono::milliseconds resolve_timeout(const InitOptions& options) {
                   env, "'");
     }
   }
-  return std::chrono::minutes(10);
+  return kDefaultCollectiveTimeout;
 }
 
 ProcessGroup init_process_group(InitOptions options) {

@@ -33,11 +33,13 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "comm/collective_timeout.h"
+
 namespace fsdp::comm {
 
 struct MpiBackendOptions {
   /// How long one collective may take before the job is aborted.
-  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+  std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
   /// Names the group in error reports.
   std::string name = "world";
   /// Whether `wait()` drives progress on the waiting thread when its collective is the only one

@@ -59,6 +59,20 @@ class ProgressEngine {
   static constexpr std::chrono::microseconds kNap{200};
   static constexpr std::chrono::milliseconds kStayAwake{20};
 
+  // Back-off of a thread that polls in-flight collectives without progress: yield first (a small
+  // collective completes within microseconds, and on an oversubscribed machine the rank it waits
+  // for needs the core), then sleep short, then long, so that a long wait does not hold a core.
+  // The progress thread (run) counts its fruitless polls since the last progress:
+  static constexpr int kIdleYieldPolls = 64;        // polls that only yield
+  static constexpr int kIdleShortSleepPolls = 1024;  // polls up to which it sleeps kShortSleep
+  // A waiter that drives (drive) measures how long it has waited:
+  static constexpr std::chrono::milliseconds kDriveYieldFor{1};        // yields only
+  static constexpr std::chrono::milliseconds kDriveShortSleepFor{50};  // sleeps kShortSleep
+  // Then kLongSleep a poll. Short: a collective finishing between polls is seen within 10 us.
+  static constexpr std::chrono::microseconds kShortSleep{10};
+  // Long: ~10k polls a second at most once a collective is known to be slow.
+  static constexpr std::chrono::microseconds kLongSleep{100};
+
  public:
   Entry submit(PendingCollective op, bool wait_drives_progress) {
     auto entry = std::make_shared<Submitted>();
@@ -190,10 +204,10 @@ class ProgressEngine {
         idle_polls = 0;
       } else {
         guard.unlock();
-        if (++idle_polls < 64) {
+        if (++idle_polls < kIdleYieldPolls) {
           std::this_thread::yield();
         } else {
-          std::this_thread::sleep_for(std::chrono::microseconds(idle_polls < 1024 ? 10 : 100));
+          std::this_thread::sleep_for(idle_polls < kIdleShortSleepPolls ? kShortSleep : kLongSleep);
         }
         guard.lock();
       }
@@ -221,11 +235,10 @@ class ProgressEngine {
         // likely to complete any moment; then back off so a long wait does not hold a core.
         guard.unlock();
         const auto waited = Clock::now() - started;
-        if (waited < std::chrono::milliseconds(1)) {
+        if (waited < kDriveYieldFor) {
           std::this_thread::yield();
         } else {
-          std::this_thread::sleep_for(std::chrono::microseconds(
-              waited < std::chrono::milliseconds(50) ? 10 : 100));
+          std::this_thread::sleep_for(waited < kDriveShortSleepFor ? kShortSleep : kLongSleep);
         }
         guard.lock();
       }

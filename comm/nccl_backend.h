@@ -34,7 +34,8 @@ bool cuda_device_available();
 /// init_process_group(device_id=...)); otherwise at the first collective.
 ///
 ///   auto backend = fsdp::comm::make_nccl_backend(fsdp::comm::read_launch_env(),
-///                                                at::Device(at::kCUDA, 0), std::chrono::minutes(10));
+///                                                at::Device(at::kCUDA, 0),
+///                                                fsdp::comm::kDefaultCollectiveTimeout);
 c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const LaunchInfo& launch, at::Device device,
                                                     std::chrono::milliseconds timeout,
                                                     bool eager_init = false);

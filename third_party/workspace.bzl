@@ -19,10 +19,14 @@ Repositories (all offline):
   @rules_java             Debian's bazel-rules-java (/usr/share/bazel/rules/java).
   @libtorch               LibTorch (third_party/libtorch/workspace.bzl).
   @mpi                    the system's Open MPI (third_party/mpi/workspace.bzl).
+  @nlohmann_json          nlohmann/json, Debian's headers (third_party/json/workspace.bzl).
+  @catch2                 Catch2 v2, Debian's headers (third_party/catch2/workspace.bzl).
   @torch_python           the Python that imports torch and safetensors, for tests
                           (third_party/python/workspace.bzl).
 """
 
+load("//third_party/catch2:workspace.bzl", catch2 = "repo")
+load("//third_party/json:workspace.bzl", nlohmann_json = "repo")
 load("//third_party/libtorch:workspace.bzl", libtorch = "repo")
 load("//third_party/mpi:workspace.bzl", mpi = "repo")
 load("//third_party/python:workspace.bzl", torch_python = "repo")
@@ -75,5 +79,9 @@ def fsdp_dependencies():
         libtorch()
     if not _declared("mpi"):
         mpi()
+    if not _declared("nlohmann_json"):
+        nlohmann_json()
+    if not _declared("catch2"):
+        catch2()
     if not _declared("torch_python"):
         torch_python()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the whole test suite: installs what is missing, checks that every Python import of the tree is
-# in tools/requirements.txt (tools/check_requirements.py), then `bazel test //...` (multi-rank tests
+# in tools/requirements.txt (tools/check_requirements.py) and that every cc target includes only
+# headers of its direct deps (tools/check_layering.py), then `bazel test //...` (multi-rank tests
 # run on 1, 2, 3 and 4 MPI ranks; Python tests run in the environment tools/setup.sh builds from
 # exactly that list), then counts test cases over every test's JUnit report and ends with
 # "N passed, M failed". Extra arguments go to `bazel test` (e.g. a narrower target pattern).
@@ -20,6 +21,11 @@ if "$FSDP_PYTHON" tools/check_requirements.py; then
   echo "python_requirements passed" >> "$extra"
 else
   echo "python_requirements failed" >> "$extra"
+fi
+if python3 tools/check_layering.py; then
+  echo "layering_check passed" >> "$extra"
+else
+  echo "layering_check failed" >> "$extra"
 fi
 # A disk cache shared by every checkout on this machine (a fresh clone reuses what another built;
 # FSDP_DISK_CACHE= turns it off).

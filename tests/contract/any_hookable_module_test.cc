@@ -8,12 +8,14 @@
 #include <torch/nn/modules/container/modulelist.h>
 
 #include "contract/hookable_modules.h"
+#include "tests/testing/errors.h"
 
 // Catch2 last: c10/util/Logging.h defines a CHECK macro of its own, and the last definition wins.
 #include <catch2/catch.hpp>
 
 namespace {
 
+using fsdp::testing::error_of;
 using fsdp::contract::AnyHookableModule;
 using fsdp::contract::ForwardArgs;
 using fsdp::contract::register_forward_hook;
@@ -26,15 +28,6 @@ struct IValueDoublerImpl : torch::nn::Module {
   }
 };
 TORCH_MODULE(IValueDoubler);
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& error) {
-    return error.what_without_backtrace();
-  }
-  return "<no error>";
-}
 
 }  // namespace
 

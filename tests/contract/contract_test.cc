@@ -7,12 +7,18 @@
 #include <torch/nn/modules/linear.h>
 
 #include "contract/forward_hooks.h"
+#include "tests/contract/fixtures.h"
+#include "tests/testing/errors.h"
 
 // Catch2 last: c10/util/Logging.h defines a CHECK macro of its own, and the last definition wins.
 #include <catch2/catch.hpp>
 
 namespace {
 
+using fsdp::testing::error_of;
+using fsdp::contract::fixtures::Block;
+using fsdp::contract::fixtures::BlockImpl;
+using Model = fsdp::contract::fixtures::TwoBlocks;
 using fsdp::contract::apply_api;
 using fsdp::contract::ApiState;
 using fsdp::contract::ForwardArgs;
@@ -26,32 +32,6 @@ using fsdp::contract::RemovableHandle;
 struct ShardState : ApiState {
   int id = 0;
 };
-
-struct BlockImpl : torch::nn::Module {
-  BlockImpl() { fc = register_module("fc", torch::nn::Linear(2, 2)); }
-  torch::Tensor forward(torch::Tensor x) { return fc(x); }
-  torch::nn::Linear fc = nullptr;
-};
-TORCH_MODULE(Block);
-
-struct ModelImpl : torch::nn::Module {
-  ModelImpl() {
-    block0 = register_module("block0", Block());
-    block1 = register_module("block1", Block());
-  }
-  Block block0 = nullptr;
-  Block block1 = nullptr;
-};
-TORCH_MODULE(Model);
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& error) {
-    return error.what_without_backtrace();
-  }
-  return "<no error>";
-}
 
 // An API implementation that registers a pre-forward hook and counts its runs.
 auto hooking_api(int* runs) {

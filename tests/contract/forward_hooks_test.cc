@@ -9,11 +9,18 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include "tests/contract/fixtures.h"
+#include "tests/testing/errors.h"
+
 // Catch2 last: c10/util/Logging.h defines a CHECK macro of its own, and the last definition wins.
 #include <catch2/catch.hpp>
 
 namespace {
 
+using fsdp::testing::error_of;
+using fsdp::contract::fixtures::Log;
+using fsdp::contract::fixtures::log_post;
+using fsdp::contract::fixtures::log_pre;
 using fsdp::contract::ForwardArgs;
 using fsdp::contract::RemovableHandle;
 using fsdp::contract::register_forward_exception_hook;
@@ -21,8 +28,6 @@ using fsdp::contract::register_forward_hook;
 using fsdp::contract::register_forward_pre_hook;
 using fsdp::contract::run_forward;
 using fsdp::contract::run_forward_ivalues;
-
-using Log = std::vector<std::string>;
 
 // y = 2x + 1, logging each call and keeping the input it received.
 struct AffineImpl : torch::nn::Module {
@@ -83,24 +88,6 @@ struct SinkImpl : torch::nn::Module {
   torch::Tensor received;
 };
 TORCH_MODULE(Sink);
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& error) {
-    return error.what_without_backtrace();
-  }
-  return "<no error>";
-}
-
-auto log_pre(Log& log, std::string name) {
-  return [&log, name](torch::nn::Module&, ForwardArgs&) { log.push_back(name); };
-}
-auto log_post(Log& log, std::string name) {
-  return [&log, name](torch::nn::Module&, const ForwardArgs&, c10::IValue&) {
-    log.push_back(name);
-  };
-}
 
 }  // namespace
 

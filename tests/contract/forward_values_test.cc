@@ -8,25 +8,19 @@
 #include <ATen/core/Dict.h>
 #include <torch/types.h>
 
+#include "tests/testing/errors.h"
+
 // Catch2 last: c10/util/Logging.h defines a CHECK macro of its own, and the last definition wins.
 #include <catch2/catch.hpp>
 
 namespace {
 
+using fsdp::testing::error_of;
 using fsdp::contract::for_each_tensor;
 using fsdp::contract::from_forward_ivalue;
 using fsdp::contract::map_tensors;
 using fsdp::contract::stored_forward_value_t;
 using fsdp::contract::to_forward_ivalue;
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& error) {
-    return error.what_without_backtrace();
-  }
-  return "<no error>";
-}
 
 }  // namespace
 

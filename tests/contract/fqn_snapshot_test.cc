@@ -7,12 +7,14 @@
 #include <torch/nn/modules/linear.h>
 
 #include "contract/module_fqn.h"
+#include "tests/testing/errors.h"
 
 // Catch2 last: c10/util/Logging.h defines a CHECK macro of its own, and the last definition wins.
 #include <catch2/catch.hpp>
 
 namespace {
 
+using fsdp::testing::error_of;
 using fsdp::contract::check_fqns_unchanged;
 using fsdp::contract::ModuleFqns;
 using fsdp::contract::snapshot_fqns;
@@ -32,15 +34,6 @@ struct BlockImpl : torch::nn::Module {
   torch::nn::Linear out = nullptr;
 };
 TORCH_MODULE(Block);
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& error) {
-    return error.what_without_backtrace();
-  }
-  return "<no error>";
-}
 
 std::string check_error(const ModuleFqns& before, const torch::nn::Module& module) {
   return error_of([&] {
@@ -63,7 +56,7 @@ TEST_CASE("unchanged FQNs pass, also when parameter storage is replaced") {
   Block block;
   const ModuleFqns before = snapshot_fqns(*block);
   block->fc->weight.set_data(torch::zeros({4}));  // a 1-D shard, same parameter and name
-  CHECK(check_error(before, *block) == "<no error>");
+  CHECK(check_error(before, *block) == fsdp::testing::kNoError);
 }
 
 TEST_CASE("an added parameter is named in the error") {

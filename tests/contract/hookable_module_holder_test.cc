@@ -5,17 +5,20 @@
 
 #include <torch/nn/module.h>
 
+#include "tests/contract/fixtures.h"
+
 // Catch2 last: c10/util/Logging.h defines a CHECK macro of its own, and the last definition wins.
 #include <catch2/catch.hpp>
 
 namespace {
 
+using fsdp::contract::fixtures::Log;
+using fsdp::contract::fixtures::log_post;
+using fsdp::contract::fixtures::log_pre;
 using fsdp::contract::ForwardArgs;
 using fsdp::contract::register_forward_exception_hook;
 using fsdp::contract::register_forward_hook;
 using fsdp::contract::register_forward_pre_hook;
-
-using Log = std::vector<std::string>;
 
 struct InnerImpl : torch::nn::Module {
   InnerImpl() { weight = register_parameter("weight", torch::full({1}, 3.0)); }
@@ -41,15 +44,6 @@ struct FailingImpl : torch::nn::Module {
   torch::Tensor forward(torch::Tensor x) { return x.view({-1, 3}); }
 };
 FSDP_HOOKABLE_MODULE(Failing);
-
-auto log_pre(Log& log, std::string name) {
-  return [&log, name](torch::nn::Module&, ForwardArgs&) { log.push_back(name); };
-}
-auto log_post(Log& log, std::string name) {
-  return [&log, name](torch::nn::Module&, const ForwardArgs&, c10::IValue&) {
-    log.push_back(name);
-  };
-}
 
 }  // namespace
 

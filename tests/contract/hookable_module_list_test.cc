@@ -8,20 +8,22 @@
 #include <torch/nn/modules/container/modulelist.h>
 
 #include "contract/hookable_modules.h"
+#include "tests/contract/fixtures.h"
+#include "tests/testing/errors.h"
 
 // Catch2 last: c10/util/Logging.h defines a CHECK macro of its own, and the last definition wins.
 #include <catch2/catch.hpp>
 
 namespace {
 
+using fsdp::testing::error_of;
+using fsdp::contract::fixtures::Log;
 using fsdp::contract::AnyHookableModule;
 using fsdp::contract::ForwardArgs;
 using fsdp::contract::ModuleList;
 using fsdp::contract::RemovableHandle;
 using fsdp::contract::register_forward_hook;
 using fsdp::contract::register_forward_pre_hook;
-
-using Log = std::vector<std::string>;
 
 struct BlockImpl : torch::nn::Cloneable<BlockImpl> {  // Cloneable: the clone test copies it
   explicit BlockImpl(int64_t dim) : dim(dim) { reset(); }
@@ -44,15 +46,6 @@ struct ModelImpl : torch::nn::Module {
   ModuleList blocks = nullptr;
 };
 FSDP_HOOKABLE_MODULE(Model);
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& error) {
-    return error.what_without_backtrace();
-  }
-  return "<no error>";
-}
 
 }  // namespace
 

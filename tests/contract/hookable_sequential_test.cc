@@ -10,20 +10,22 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include "contract/hookable_modules.h"
+#include "tests/contract/fixtures.h"
+#include "tests/testing/errors.h"
 
 // Catch2 last: c10/util/Logging.h defines a CHECK macro of its own, and the last definition wins.
 #include <catch2/catch.hpp>
 
 namespace {
 
+using fsdp::testing::error_of;
+using fsdp::contract::fixtures::Log;
 using fsdp::contract::AnyHookableModule;
 using fsdp::contract::ForwardArgs;
 using fsdp::contract::RemovableHandle;
 using fsdp::contract::register_forward_hook;
 using fsdp::contract::register_forward_pre_hook;
 using fsdp::contract::Sequential;
-
-using Log = std::vector<std::string>;
 
 struct AddImpl : torch::nn::Cloneable<AddImpl> {  // Cloneable: the clone tests copy it
   explicit AddImpl(double value) : value(value) {}
@@ -51,15 +53,6 @@ struct Tracer {
   Log log;
   std::vector<RemovableHandle> handles;
 };
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& error) {
-    return error.what_without_backtrace();
-  }
-  return "<no error>";
-}
 
 }  // namespace
 

@@ -4,20 +4,18 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/linear.h>
 
+#include "tests/contract/fixtures.h"
+
 // Catch2 last: c10/util/Logging.h defines a CHECK macro of its own, and the last definition wins.
 #include <catch2/catch.hpp>
 
 namespace {
 
+using fsdp::contract::fixtures::Block;
+using fsdp::contract::fixtures::BlockImpl;
 using fsdp::contract::describe_module;
 using fsdp::contract::display_fqn;
 using fsdp::contract::find_module_fqn;
-
-struct BlockImpl : torch::nn::Module {
-  BlockImpl() { fc = register_module("fc", torch::nn::Linear(2, 2)); }
-  torch::nn::Linear fc = nullptr;
-};
-TORCH_MODULE(Block);
 
 struct ModelImpl : torch::nn::Module {
   ModelImpl() {

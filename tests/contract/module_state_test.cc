@@ -7,11 +7,18 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 
+#include "tests/contract/fixtures.h"
+#include "tests/testing/errors.h"
+
 // Catch2 last: c10/util/Logging.h defines a CHECK macro of its own, and the last definition wins.
 #include <catch2/catch.hpp>
 
 namespace {
 
+using fsdp::testing::error_of;
+using fsdp::contract::fixtures::Block;
+using fsdp::contract::fixtures::BlockImpl;
+using Model = fsdp::contract::fixtures::TwoBlocks;
 using fsdp::contract::ApiState;
 using fsdp::contract::ModuleStateRegistry;
 
@@ -22,31 +29,6 @@ struct CountingState : ApiState {
 };
 
 struct OtherState : ApiState {};
-
-struct BlockImpl : torch::nn::Module {
-  BlockImpl() { fc = register_module("fc", torch::nn::Linear(2, 2)); }
-  torch::nn::Linear fc = nullptr;
-};
-TORCH_MODULE(Block);
-
-struct ModelImpl : torch::nn::Module {
-  ModelImpl() {
-    block0 = register_module("block0", Block());
-    block1 = register_module("block1", Block());
-  }
-  Block block0 = nullptr;
-  Block block1 = nullptr;
-};
-TORCH_MODULE(Model);
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& error) {
-    return error.what_without_backtrace();
-  }
-  return "<no error>";
-}
 
 }  // namespace
 

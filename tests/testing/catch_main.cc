@@ -3,9 +3,11 @@
 #define CATCH_CONFIG_RUNNER
 #include <cstdio>
 #include <cstdlib>
-#include <sstream>
+#include <string>
 
 #include <catch2/catch.hpp>
+
+#include "tests/testing/failure_report.h"
 
 namespace {
 
@@ -21,16 +23,9 @@ class FailurePrinter : public Catch::TestEventListenerBase {
   bool assertionEnded(const Catch::AssertionStats& stats) override {
     const auto& result = stats.assertionResult;
     if (result.isOk()) return true;
-    std::ostringstream text;
-    text << "FAILED in '" << current_case_ << "' at " << result.getSourceInfo().file << ":"
-         << result.getSourceInfo().line;
-    if (result.hasExpression()) text << "\n    " << result.getExpressionInMacro();
-    if (result.hasExpandedExpression()) text << "\n    with expansion: " << result.getExpandedExpression();
-    if (result.hasMessage()) text << "\n    " << result.getMessage();
-    for (const auto& info : stats.infoMessages) {
-      if (!result.hasMessage() || info.message != result.getMessage()) text << "\n    info: " << info.message;
-    }
-    std::fprintf(stderr, "%s\n", text.str().c_str());
+    const std::string text =
+        "FAILED in '" + current_case_ + "'" + fsdp::testing::describe_failed_assertion(stats);
+    std::fprintf(stderr, "%s\n", text.c_str());
     return true;
   }
 

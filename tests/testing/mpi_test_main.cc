@@ -18,6 +18,7 @@
 
 #include "comm/mpi_backend.h"
 #include "comm/mpi_runtime.h"
+#include "tests/testing/failure_report.h"
 
 namespace fsdp::testing {
 namespace {
@@ -45,13 +46,7 @@ class RankFailureListener : public Catch::TestEventListenerBase {
       g_failed_here = true;
       std::ostringstream text;
       text << "[rank " << rank() << " of " << world_size() << "] FAILED in '" << current_case_
-           << "' at " << result.getSourceInfo().file << ":" << result.getSourceInfo().line;
-      if (result.hasExpression()) text << "\n    " << result.getExpressionInMacro();
-      if (result.hasExpandedExpression()) text << "\n    with expansion: " << result.getExpandedExpression();
-      if (result.hasMessage()) text << "\n    " << result.getMessage();
-      for (const auto& info : stats.infoMessages) {
-        if (!result.hasMessage() || info.message != result.getMessage()) text << "\n    info: " << info.message;
-      }
+           << "'" << describe_failed_assertion(stats);
       std::fprintf(stderr, "%s\n", text.str().c_str());
       std::fflush(stderr);
     }
@@ -76,15 +71,6 @@ int world_size() { return g_world->size(); }
 std::string shared_tmpdir() {
   const char* dir = std::getenv("FSDP_TEST_TMPDIR");
   return dir != nullptr ? dir : "/tmp";
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
 }
 
 bool same_on_every_rank(const std::string& s) {

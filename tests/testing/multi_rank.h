@@ -17,10 +17,10 @@
 // Build with fsdp_mpi_test (tests/testing/testing.bzl), which launches the binary on 1, 2, 3 and 4
 // ranks.
 
-#include <functional>
 #include <string>
 
 #include "comm/communicator.h"
+#include "tests/testing/errors.h"  // error_of, for test bodies
 
 // Last: LibTorch's c10/util/Logging.h defines its own CHECK, and the last definition wins.
 #include <catch2/catch.hpp>
@@ -35,8 +35,6 @@ int world_size();
 /// A folder shared by all ranks of this launch, removed after it (FSDP_TEST_TMPDIR).
 std::string shared_tmpdir();
 
-/// The message of the c10::Error `fn` throws ("(no error)" if it returns).
-std::string error_of(const std::function<void()>& fn);
 /// Whether every rank of the launch passed the same string (collective).
 bool same_on_every_rank(const std::string& s);
 

@@ -1,13 +1,12 @@
 """fsdp_mpi_test: a Catch2 test binary run on several world sizes over MPI, one mpirun per size."""
 
-load("//tools:build_defs.bzl", "FSDP_COPTS")
+load("//tools:build_defs.bzl", "fsdp_cc_binary")
 
 def fsdp_mpi_test(name, srcs, deps = [], world_sizes = [1, 2, 3, 4], args = [], size = "medium", tags = [], **kwargs):
     binary = name + "_bin"
-    native.cc_binary(
+    fsdp_cc_binary(
         name = binary,
         srcs = srcs,
-        copts = FSDP_COPTS,
         deps = deps + ["//tests/testing:mpi_test_main"],
         testonly = True,
     )
