@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
+#include "composable/api_names.h"
 #include "comm/init.h"
 #include "comm/issuing_api.h"
 #include "contract/contract.h"
@@ -24,10 +25,6 @@
 
 namespace fsdp {
 namespace {
-
-// The name replicate registers its state under (composable/replicate.h); fully_shard refuses its
-// modules without depending on it.
-constexpr const char* kReplicateApi = "replicate";
 
 void check_no_unit_above(torch::nn::Module& module) {
   auto& registry = contract::ModuleStateRegistry::global();
@@ -64,7 +61,7 @@ void broadcast_from_rank0(const std::vector<at::Tensor>& tensors, comm::Communic
 }
 
 // The parameters and buffers a new unit leaves alone ([Note: ignored parameters] in
-// composable/fully_shard.h), checked before anything changes.
+// docs/architecture.md), checked before anything changes.
 struct IgnoredStates {
   std::vector<at::Tensor> params;  // named_parameters order of the unit's trees, once each
   std::unordered_set<const void*> param_impls;

@@ -18,40 +18,8 @@
 // holders (FSDP_HOOKABLE_MODULE, fsdp::contract::Linear, Sequential, ...): `module->forward(x)`
 // bypasses the hooks and is unsupported (the first iteration detects it and fails).
 //
-// [Note: ignored parameters] FullyShardOptions::ignored_params and ignored_modules (FSDP's
-// ignored_states) name parameters that a unit does not shard: they keep their shape, storage,
-// device and dtype on every rank, enter no FlatParameter, and are never all-gathered, reduced,
-// broadcast by sync_module_states, moved by `device` or cast by mixed precision (nor are the
-// buffers of ignored modules). Autograd writes their full local gradient into `.grad` on each
-// rank: averaging it across ranks (e.g. an all-reduce before the optimizer step) is up to the
-// user. A parameter stays ignored for every unit above the one that ignores it. Elsewhere:
-//   - state dicts (fsdp::full_state_dict, sharded_state_dict, the optimizer's) list ignored
-//     parameters under their FQNs with this rank's local value (full dicts: rank 0's; sharded
-//     dicts: whole, written by world rank 0 only), and loads copy the value into every rank;
-//   - fsdp::clip_grad_norm_ adds their gradients' norm locally (not reduced across ranks, as
-//     FSDP1 does for non-sharded parameters) and scales them with the others;
-//   - summon_full_params leaves them as they are (already full).
-// Refused, before anything changes: an ignored parameter that is not in the module's tree, one a
-// unit already manages (ignore it in that unit's fully_shard), an ignored module that is the
-// unit's module itself, is not inside it, or contains a unit. fully_shard on a module inside an
-// ignored module is refused in both orders (before: the unit is inside the ignored module;
-// after: fully_shard is applied bottom-up only).
-//
-// [Note: meta-device models] A model built under fsdp::MetaInitGuard (init/meta_init.h) has meta
-// parameters and buffers: no memory. fully_shard allocates only this rank's shard of each
-// FlatParameter (on `device`, default the communicator's device) and fills it with this rank's
-// slice of each parameter, materialized one parameter at a time on the CPU (replaying its recorded
-// construction, or FullyShardOptions::param_init_fn); a parameter this rank holds none of is never
-// materialized. Buffers and ignored parameters are materialized whole. The values are those
-// fsdp::materialize_module gives the unsharded model built the same way under the same seed, on any
-// number of ranks ([Note: meta init]). sync_module_states broadcasts only tensors that were not on
-// meta. Every meta tensor of the root's tree must belong to some unit (or be materialized with
-// fsdp::materialize_module) before the first forward, which otherwise names it.
-//
-//   std::shared_ptr<GPT> model;
-//   { fsdp::MetaInitGuard meta; model = std::make_shared<GPT>(config); }  // no memory
-//   fsdp::fully_shard_tree(*model, fsdp::WrapPolicy::module_types<BlockImpl>());
-//   fsdp::load_pretrained(*model, "model.safetensors");  // optional: weights straight into shards
+// What ignored parameters and meta-device models mean for every API: [Note: ignored parameters] and
+// [Note: meta-device models] in docs/architecture.md.
 
 #include <functional>
 #include <memory>

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
+#include "composable/api_names.h"
 #include "contract/module_fqn.h"
 #include "contract/module_state.h"
 #include "fsdp/forward_errors.h"
@@ -13,8 +14,6 @@
 
 namespace fsdp {
 namespace {
-
-constexpr const char* kReplicateApi = "replicate";
 
 struct Target {
   std::string fqn;  // relative to the root ("" for the root)

@@ -10,7 +10,7 @@
 //
 // The selected modules are those fsdp::select_modules gives (composable/wrap_policy.h), bottom-up;
 // every one of them and then the root becomes a unit with `options`. Ignored parameters and
-// modules in `options` ([Note: ignored parameters] in composable/fully_shard.h) are never
+// modules in `options` ([Note: ignored parameters] in docs/architecture.md) are never
 // selected nor counted by size policies, and each unit receives those inside its own tree.
 
 #include <type_traits>

@@ -45,12 +45,10 @@
 #include <torch/nn/pimpl.h>
 
 #include "comm/communicator.h"
+#include "composable/api_names.h"
 #include "contract/forward_hooks.h"
 
 namespace fsdp {
-
-/// The name replicate's state is registered under in the contract's registry.
-inline constexpr const char* kReplicateApi = "replicate";
 
 /// Options of replicate, in the LibTorch style:
 ///

@@ -13,6 +13,7 @@
 #include <torch/nn/modules/container/parameterlist.h>
 
 #include "contract/hookable_module_list.h"
+#include "contract/module_fqn.h"
 
 namespace fsdp {
 namespace {
@@ -24,10 +25,6 @@ bool is_container(const torch::nn::Module& module) {
          dynamic_cast<const torch::nn::ParameterListImpl*>(&module) != nullptr ||
          dynamic_cast<const torch::nn::ParameterDictImpl*>(&module) != nullptr ||
          dynamic_cast<const contract::ModuleListImpl*>(&module) != nullptr;
-}
-
-std::string join_fqn(const std::string& prefix, const std::string& name) {
-  return prefix.empty() ? name : prefix + "." + name;
 }
 
 // FSDP1's _recursive_wrap over a LibTorch tree, selecting instead of wrapping.
@@ -73,7 +70,7 @@ class Selection {
     int64_t wrapped_below = 0;
     for (const auto& child : module.named_children()) {
       if (ignored_modules_.count(child.value().get())) continue;
-      wrapped_below += visit(*child.value(), child.value(), join_fqn(fqn, child.key()));
+      wrapped_below += visit(*child.value(), child.value(), contract::join_fqn(fqn, child.key()));
     }
     const int64_t remainder = numel - wrapped_below;
     if (&module != root_ && !is_container(module) && policy_.selects(module, fqn, remainder)) {

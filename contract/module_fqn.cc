@@ -22,6 +22,12 @@ std::string display_fqn(std::string_view fqn) {
   return fqn.empty() ? std::string(kRootFqn) : std::string(fqn);
 }
 
+std::string join_fqn(std::string_view prefix, std::string_view name) {
+  if (prefix.empty()) return std::string(name);
+  if (name.empty()) return std::string(prefix);
+  return std::string(prefix) + "." + std::string(name);
+}
+
 std::string describe_module(std::string_view fqn, const torch::nn::Module& module) {
   return "'" + display_fqn(fqn) + "' (" + module.name() + ")";
 }

@@ -30,6 +30,13 @@ std::optional<std::string> find_module_fqn(const torch::nn::Module& root,
 ///   display_fqn("blocks.0");    // "blocks.0"
 std::string display_fqn(std::string_view fqn);
 
+/// The FQN of `name` inside the module at `prefix` (either may be empty: the root, or the module
+/// itself).
+///
+///   join_fqn("blocks.0", "attn");   // "blocks.0.attn"
+///   join_fqn("", "head.weight");    // "head.weight"
+std::string join_fqn(std::string_view prefix, std::string_view name);
+
 /// Describes a module for an error message: its FQN in quotes and its class, as in
 /// "'blocks.0' (BlockImpl)" or "'<root>' (ModelImpl)".
 ///

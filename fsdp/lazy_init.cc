@@ -37,7 +37,7 @@ void lazy_init(FSDPState& state) {
                   "root module (the outermost one fully_shard was applied to) first.");
     }
   }
-  // [Note: meta-device models] in composable/fully_shard.h: no meta tensor may reach a forward.
+  // [Note: meta-device models] in docs/architecture.md: no meta tensor may reach a forward.
   for (torch::nn::Module* module : state.modules()) {
     auto check = [&](const std::string& kind, const std::string& name, const at::Tensor& t) {
       TORCH_CHECK(!t.defined() || !t.is_meta(), "fully_shard: ", kind, " '", name, "' of ",

@@ -101,7 +101,7 @@ struct FullyShardOptions {
   /// built on the CPU: only the shards move. Default: the communicator's device.
   TORCH_ARG(std::optional<at::Device>, device) = std::nullopt;
   /// Parameters of the module's tree this unit leaves alone ([Note: ignored parameters] in
-  /// composable/fully_shard.h): they stay whole and local on every rank, in no FlatParameter,
+  /// docs/architecture.md): they stay whole and local on every rank, in no FlatParameter,
   /// never all-gathered nor reduced.
   ///
   ///   fsdp::fully_shard(*model, fsdp::FullyShardOptions().ignored_params({model->scale}));
@@ -112,7 +112,7 @@ struct FullyShardOptions {
   ///   fsdp::fully_shard(*model, fsdp::FullyShardOptions().ignored_modules({model->head.ptr()}));
   TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, ignored_modules) = {};
   /// Initializes the unit's meta parameters and buffers ([Note: meta-device models] in
-  /// composable/fully_shard.h) instead of replaying what MetaInitGuard recorded (FSDP1's
+  /// docs/architecture.md) instead of replaying what MetaInitGuard recorded (FSDP1's
   /// param_init_fn, one tensor at a time): called with each meta tensor's FQN relative to the
   /// module (a unit of several modules prefixes it with the module's index and ':') and an
   /// uninitialized CPU tensor of its shape and dtype to fill. Called only for parameters this rank

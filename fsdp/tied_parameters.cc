@@ -17,10 +17,6 @@
 namespace fsdp {
 namespace {
 
-std::string join_fqn(const std::string& prefix, const std::string& name) {
-  return prefix.empty() ? name : name.empty() ? prefix : prefix + "." + name;
-}
-
 // Whether the module at `fqn` is `ancestor_fqn` or inside it.
 bool within(const std::string& fqn, const std::string& ancestor_fqn) {
   if (ancestor_fqn.empty()) return true;
@@ -157,7 +153,7 @@ TiedParameterPlan plan_tied_parameters(const std::vector<torch::nn::Module*>& mo
         plan.stay.insert(impl);
         continue;
       }
-      const std::string name = join_fqn(m.fqn, item.key());
+      const std::string name = contract::join_fqn(m.fqn, item.key());
       std::string users;
       for (const TreeModule* r : here) users += (users.empty() ? "'" : ", '") + display(r->fqn) + "'";
       // The unit giving the parameter up, by its FQN in this unit's trees where it is inside them.
@@ -270,7 +266,7 @@ void place_tied_parameters(RootContext& context, const UnitModuleFqns& unit_fqns
       const void* impl = p.value().unsafeGetTensorImpl();
       auto& u = uses[impl];
       if (u.empty()) order.push_back(impl);
-      u.push_back({item.key(), item.value().get(), join_fqn(item.key(), p.key())});
+      u.push_back({item.key(), item.value().get(), contract::join_fqn(item.key(), p.key())});
     }
   }
   // A parameter of this tree shared with a module of another unit's tree outside it.
@@ -302,7 +298,7 @@ void place_tied_parameters(RootContext& context, const UnitModuleFqns& unit_fqns
         for (const auto& p : m.module->named_parameters(/*recurse=*/false)) {
           if (p.value().unsafeGetTensorImpl() == impl && there_param == "?") {
             there_fqn = m.fqn;
-            there_param = join_fqn(m.fqn, p.key());
+            there_param = contract::join_fqn(m.fqn, p.key());
           }
         }
       }
@@ -335,7 +331,7 @@ void place_tied_parameters(RootContext& context, const UnitModuleFqns& unit_fqns
         const void* impl = p.value().unsafeGetTensorImpl();
         const auto here = uses.find(impl);
         if (!owner.count(impl) || here == uses.end()) continue;
-        refuse_shared(here->second.front(), m.fqn, join_fqn(m.fqn, p.key()), other_name);
+        refuse_shared(here->second.front(), m.fqn, contract::join_fqn(m.fqn, p.key()), other_name);
       }
     }
   }
@@ -348,7 +344,7 @@ std::vector<RegisteredParameter> registered_parameters(torch::nn::Module& root) 
     for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
       const auto [it, first] = index.emplace(p.value().unsafeGetTensorImpl(), registered.size());
       if (first) registered.push_back({p.value(), {}});
-      registered[it->second].uses.push_back({item.key(), join_fqn(item.key(), p.key())});
+      registered[it->second].uses.push_back({item.key(), contract::join_fqn(item.key(), p.key())});
     }
   }
   return registered;

@@ -46,9 +46,6 @@ class UnitIteration {
 
   /// Whether backward can reach this unit (a live call whose outputs need a gradient).
   bool may_get_gradients() const;
-  /// Whether no call is left that backward could reach (every graph was freed, or none needs a
-  /// gradient).
-  bool all_calls_dead() const { return !may_get_gradients(); }
 
   /// A backward pass starts: every call is waiting for it again, nothing reduced yet.
   void begin_backward_pass();
