@@ -32,11 +32,15 @@ def fsdp_cc_library(name, copts = [], **kwargs):
 def fsdp_cc_binary(name, copts = [], **kwargs):
     native.cc_binary(name = name, copts = FSDP_COPTS + copts, **kwargs)
 
-def fsdp_cc_test(name, copts = [], deps = [], size = "small", **kwargs):
+def fsdp_cc_test(name, copts = [], deps = [], size = "small", timeout = "moderate", **kwargs):
     """A single-process Catch2 test (main in tests/testing/catch_main.cc: JUnit report for Bazel)."""
     native.cc_test(
         name = name,
         size = size,
+        # Small in resources, but a moderate (300 s) timeout: each binary loads LibTorch, and while
+        # `bazel test //...` compiles beside it on a 2-core machine a sub-second test overran the
+        # 60 s of a small test once.
+        timeout = timeout,
         copts = FSDP_COPTS + copts,
         # Labels, not strings: they name this repository's targets whichever workspace calls the macro.
         deps = deps + [Label("//tests/testing:catch_main"), Label("//third_party/catch2")],
