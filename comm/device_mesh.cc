@@ -1,10 +1,104 @@
 #include "comm/device_mesh.h"
 
+#include <algorithm>
+#include <set>
+
 #include <c10/util/Exception.h>
 
 #include "comm/mpi_backend.h"
 
 namespace fsdp::comm {
+namespace {
+
+std::string join(const std::vector<int>& values) {
+  std::string out;
+  for (int v : values) out += (out.empty() ? "" : ", ") + std::to_string(v);
+  return out;
+}
+
+std::string join(const std::vector<std::string>& values) {
+  std::string out;
+  for (const auto& v : values) out += (out.empty() ? "" : ", ") + v;
+  return out;
+}
+
+MpiBackend& mpi_of(const c10::intrusive_ptr<c10d::Backend>& backend, const char* api) {
+  auto* mpi = dynamic_cast<MpiBackend*>(backend.get());
+  TORCH_CHECK(mpi != nullptr, api, ": the ", backend->getBackendName(),
+              " backend cannot be split into groups yet; a device mesh (hybrid sharding, tensor "
+              "parallel groups) needs the MPI backend");
+  return *mpi;
+}
+
+// The ranks whose coordinates outside `dims` equal this rank's form one group, ranked row-major
+// over `dims`: color = row-major index over the other dimensions, key = index over `dims`.
+std::shared_ptr<Communicator> split_group(const c10::intrusive_ptr<c10d::Backend>& world,
+                                          at::Device device, const std::vector<int>& sizes,
+                                          const std::vector<int>& coords,
+                                          const std::vector<int>& dims, const std::string& label,
+                                          const char* api) {
+  if (world->getSize() == 1) return std::make_shared<Communicator>(world, device);
+  MpiBackend& mpi = mpi_of(world, api);
+  int color = 0, key = 0;
+  for (int d = 0; d < static_cast<int>(sizes.size()); ++d) {
+    if (std::find(dims.begin(), dims.end(), d) != dims.end()) continue;
+    color = color * sizes[d] + coords[d];
+  }
+  for (int d : dims) key = key * sizes[d] + coords[d];
+  MpiBackend::Options options;
+  options.timeout = mpi.timeout();
+  options.name = mpi.name() + "/" + label + " group " + std::to_string(color);
+  return std::make_shared<Communicator>(mpi.split(color, key, options), device);
+}
+
+}  // namespace
+
+std::shared_ptr<DeviceMesh> DeviceMesh::create(const Communicator& world, std::vector<int> sizes,
+                                               std::vector<std::string> names) {
+  const int W = world.size();
+  TORCH_CHECK(!sizes.empty(), "DeviceMesh::create: expected at least one dimension, found none");
+  TORCH_CHECK(sizes.size() == names.size(), "DeviceMesh::create: expected one name per dimension (",
+              sizes.size(), " sizes [", join(sizes), "]), found ", names.size(), " names [",
+              join(names), "]");
+  int64_t product = 1;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    TORCH_CHECK(sizes[d] >= 1, "DeviceMesh::create: dimension '", names[d], "' has size ", sizes[d],
+                "; expected at least 1");
+    product *= sizes[d];
+  }
+  TORCH_CHECK(product == W, "DeviceMesh::create: the mesh sizes [", join(sizes), "] (",
+              join(names), ") multiply to ", product, ", expected the world size ", W);
+  std::set<std::string> seen;
+  for (const auto& n : names) {
+    TORCH_CHECK(!n.empty(), "DeviceMesh::create: a dimension name is empty (names [", join(names), "])");
+    TORCH_CHECK(seen.insert(n).second, "DeviceMesh::create: the dimension name '", n,
+                "' appears twice in [", join(names), "]");
+  }
+  if (W > 1) mpi_of(world.backend(), "DeviceMesh::create");
+
+  std::shared_ptr<DeviceMesh> mesh(new DeviceMesh());
+  mesh->sizes_ = std::move(sizes);
+  mesh->names_ = std::move(names);
+  mesh->world_rank_ = world.rank();
+  mesh->world_backend_ = world.backend();
+  mesh->device_ = world.device();
+  const int n = mesh->ndim();
+  mesh->coordinates_.assign(n, 0);
+  int rest = world.rank();
+  for (int d = n - 1; d >= 0; --d) {
+    mesh->coordinates_[d] = rest % mesh->sizes_[d];
+    rest /= mesh->sizes_[d];
+  }
+  mesh->full_sizes_ = mesh->sizes_;
+  mesh->full_coordinates_ = mesh->coordinates_;
+  for (int d = 0; d < n; ++d) {
+    mesh->dims_in_full_.push_back(d);
+    mesh->groups_.push_back(split_group(world.backend(), world.device(), mesh->sizes_,
+                                        mesh->coordinates_, {d}, mesh->names_[d],
+                                        "DeviceMesh::create"));
+  }
+  return mesh;
+}
 
 std::shared_ptr<DeviceMesh> DeviceMesh::hybrid(const Communicator& world, int shard_size) {
   const int W = world.size();
@@ -15,19 +109,77 @@ std::shared_ptr<DeviceMesh> DeviceMesh::hybrid(const Communicator& world, int sh
   TORCH_CHECK(shard_size >= 1 && W % shard_size == 0, "DeviceMesh::hybrid: shard size ", shard_size,
               " does not divide the world size ", W, " (shard groups x replicate groups must equal the "
               "world); possible shard sizes: ", divisors);
-  auto* mpi = dynamic_cast<MpiBackend*>(world.backend().get());
-  TORCH_CHECK(mpi != nullptr, "DeviceMesh::hybrid: the ", world.backend()->getBackendName(),
-              " backend cannot be split into groups yet; hybrid sharding needs the MPI backend");
-  const int r = world.rank();
-  MpiBackend::Options shard_options;
-  shard_options.timeout = mpi->timeout();
-  shard_options.name = mpi->name() + "/shard group " + std::to_string(r / shard_size);
-  auto shard = mpi->split(/*color=*/r / shard_size, /*key=*/r, shard_options);
-  MpiBackend::Options replicate_options = shard_options;
-  replicate_options.name = mpi->name() + "/replicate group " + std::to_string(r % shard_size);
-  auto replicate = mpi->split(/*color=*/r % shard_size, /*key=*/r, replicate_options);
-  return std::shared_ptr<DeviceMesh>(new DeviceMesh(std::make_shared<Communicator>(shard, world.device()),
-                                                    std::make_shared<Communicator>(replicate, world.device())));
+  return create(world, {W / shard_size, shard_size}, {"replicate", "shard"});
+}
+
+int DeviceMesh::world_size() const {
+  int p = 1;
+  for (int s : full_sizes_) p *= s;
+  return p;
+}
+
+int DeviceMesh::index_of(const std::string& name) const {
+  for (int d = 0; d < ndim(); ++d) {
+    if (names_[d] == name) return d;
+  }
+  TORCH_CHECK(false, "DeviceMesh: no dimension named '", name, "'; the mesh is ", describe());
+}
+
+std::shared_ptr<Communicator> DeviceMesh::flattened_group(const std::vector<std::string>& names) const {
+  TORCH_CHECK(!names.empty(), "DeviceMesh::flattened_group: expected at least one dimension name");
+  std::vector<int> dims;
+  std::string label;
+  for (const auto& name : names) {
+    const int full = dims_in_full_[index_of(name)];
+    TORCH_CHECK(std::find(dims.begin(), dims.end(), full) == dims.end(),
+                "DeviceMesh::flattened_group: dimension '", name, "' named twice");
+    dims.push_back(full);
+    label += (label.empty() ? "" : "x") + name;
+  }
+  if (dims.size() == 1) return group(names[0]);
+  return split_group(world_backend_, device_, full_sizes_, full_coordinates_, dims, label,
+                     "DeviceMesh::flattened_group");
+}
+
+std::shared_ptr<DeviceMesh> DeviceMesh::submesh(const std::vector<std::string>& names) const {
+  TORCH_CHECK(!names.empty(), "DeviceMesh::submesh: expected at least one dimension name");
+  std::shared_ptr<DeviceMesh> sub(new DeviceMesh());
+  for (const auto& name : names) {
+    const int d = index_of(name);
+    TORCH_CHECK(std::find(sub->names_.begin(), sub->names_.end(), name) == sub->names_.end(),
+                "DeviceMesh::submesh: dimension '", name, "' named twice");
+    sub->sizes_.push_back(sizes_[d]);
+    sub->names_.push_back(name);
+    sub->coordinates_.push_back(coordinates_[d]);
+    sub->groups_.push_back(groups_[d]);
+    sub->dims_in_full_.push_back(dims_in_full_[d]);
+  }
+  sub->world_rank_ = world_rank_;
+  sub->world_backend_ = world_backend_;
+  sub->device_ = device_;
+  sub->full_sizes_ = full_sizes_;
+  sub->full_coordinates_ = full_coordinates_;
+  return sub;
+}
+
+const std::shared_ptr<Communicator>& DeviceMesh::shard_group() const {
+  TORCH_CHECK(ndim() == 2, "DeviceMesh: hybrid sharding needs a 2-D mesh (replicate, shard); this "
+              "mesh is ", describe(), " (take a 2-D submesh, e.g. submesh({\"replicate\", \"shard\"}))");
+  return groups_[1];
+}
+
+const std::shared_ptr<Communicator>& DeviceMesh::replicate_group() const {
+  TORCH_CHECK(ndim() == 2, "DeviceMesh: hybrid sharding needs a 2-D mesh (replicate, shard); this "
+              "mesh is ", describe(), " (take a 2-D submesh, e.g. submesh({\"replicate\", \"shard\"}))");
+  return groups_[0];
+}
+
+std::string DeviceMesh::describe() const {
+  std::string out = "(";
+  for (int d = 0; d < ndim(); ++d) {
+    out += (d ? ", " : "") + names_[d] + "=" + std::to_string(sizes_[d]);
+  }
+  return out + ")";
 }
 
 }  // namespace fsdp::comm
