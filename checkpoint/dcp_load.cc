@@ -19,6 +19,7 @@
 #include "checkpoint/optimizer_state_dict.h"
 #include "checkpoint/state_dict.h"
 #include "checkpoint/state_dict_support.h"
+#include "contract/shape_text.h"
 #include "storage/atomic_directory.h"
 #include "storage/boxes.h"
 #include "storage/safetensors.h"
@@ -27,6 +28,7 @@
 
 namespace fsdp::dcp {
 using namespace detail;
+using contract::shape_string;
 
 namespace {
 
@@ -96,7 +98,7 @@ std::vector<int64_t> saved_offsets(const json& sharding, const storage::Safetens
               "' has no ", kShardingInfoKey, " entry for its key '", entry.key, "'");
   auto offsets = sharding[entry.key][kSavedOffsetsKey].get<std::vector<int64_t>>();
   TORCH_CHECK(offsets.size() == entry.shape.size(), api, ": '", path, "': key '", entry.key, "' has shape ",
-              shape_text(entry.shape), " but saved offsets ", shape_text(offsets));
+              shape_string(entry.shape), " but saved offsets ", shape_string(offsets));
   return offsets;
 }
 
@@ -125,11 +127,11 @@ const storage::SafetensorsFile& CheckpointIndex::open_file(int f, const char* ap
       const storage::SafetensorsEntry& entry = *it->second;
       const KeyIndex& k = keys.at(*key);
       TORCH_CHECK(entry.dtype == k.dtype && entry.shape == piece->box.sizes, api, ": key '", *key, "' is ",
-                  storage::safetensors_dtype_name(k.dtype), " ", shape_text(piece->box.sizes), " in the manifest but ",
-                  storage::safetensors_dtype_name(entry.dtype), " ", shape_text(entry.shape), " in '", path, "'");
+                  storage::safetensors_dtype_name(k.dtype), " ", shape_string(piece->box.sizes), " in the manifest but ",
+                  storage::safetensors_dtype_name(entry.dtype), " ", shape_string(entry.shape), " in '", path, "'");
       const auto offsets = saved_offsets(sharding, entry, path, api);
       TORCH_CHECK(offsets == piece->box.offsets, api, ": key '", *key, "' has offsets ",
-                  shape_text(piece->box.offsets), " in the manifest but ", shape_text(offsets), " in '", path, "'");
+                  shape_string(piece->box.offsets), " in the manifest but ", shape_string(offsets), " in '", path, "'");
       piece->entry = &entry;
     }
   }
@@ -158,7 +160,7 @@ void index_file(CheckpointIndex& index, int file, const char* api) {
     }
     TORCH_CHECK(key.dtype == entry.dtype && key.shape.size() == box.sizes.size(), api, ": key '", entry.key,
                 "' is stored with different dtypes or ranks in different files ('", header.path, "' has ",
-                storage::safetensors_dtype_name(entry.dtype), " ", shape_text(entry.shape), ")");
+                storage::safetensors_dtype_name(entry.dtype), " ", shape_string(entry.shape), ")");
     for (size_t d = 0; d < box.sizes.size(); ++d) key.shape[d] = std::max(key.shape[d], box.offsets[d] + box.sizes[d]);
     key.pieces.push_back({file, &entry, std::move(box)});
   }
@@ -256,8 +258,8 @@ bool plan_target(const CheckpointIndex& index, Target& target, const LoadOptions
   const auto it = index.keys.find(target.key);
   if (it == index.keys.end()) return false;
   const KeyIndex& key = it->second;
-  TORCH_CHECK(key.shape == shard.global_shape, api, ": key '", target.key, "' has shape ", shape_text(key.shape),
-              " in the checkpoint '", index.dir, "' but ", shape_text(shard.global_shape), " here");
+  TORCH_CHECK(key.shape == shard.global_shape, api, ": key '", target.key, "' has shape ", shape_string(key.shape),
+              " in the checkpoint '", index.dir, "' but ", shape_string(shard.global_shape), " here");
   const c10::ScalarType want = shard.local.scalar_type();
   TORCH_CHECK(key.dtype == want || options.convert_dtype(), api, ": key '", target.key, "' is stored as ",
               storage::safetensors_dtype_name(key.dtype), " in the checkpoint '", index.dir, "' but is ",
@@ -302,8 +304,8 @@ bool plan_target(const CheckpointIndex& index, Target& target, const LoadOptions
 }
 
 // Copies the planned reads into the local tensors: straight into contiguous CPU destinations of the
-// file's dtype, otherwise through one staging buffer of at most `staging_bytes`.
-void execute_reads(const CheckpointIndex& index, const std::vector<Target>& targets, int64_t staging_bytes) {
+// file's dtype, otherwise through one staging buffer of at most `max_staging_bytes`.
+void execute_reads(const CheckpointIndex& index, const std::vector<Target>& targets, int64_t max_staging_bytes) {
   c10::NoGradGuard no_grad;
   at::Tensor staging;
   for (const Target& target : targets) {
@@ -317,7 +319,7 @@ void execute_reads(const CheckpointIndex& index, const std::vector<Target>& targ
         file.read(*read.piece->entry, read.src * esize, (read.src + read.length) * esize, dst);
         continue;
       }
-      const int64_t chunk = std::max<int64_t>(1, staging_bytes / esize);
+      const int64_t chunk = std::max<int64_t>(1, max_staging_bytes / esize);
       const int64_t needed = std::min(chunk, read.length) * esize;
       if (!staging.defined() || staging.numel() < needed) staging = at::empty({needed}, at::kByte);
       for (int64_t done = 0; done < read.length; done += chunk) {
@@ -360,7 +362,7 @@ int64_t load_request(const char* api, const std::string& dir, const LoadRequest&
       const std::string busy = request.precheck();
       TORCH_CHECK(busy.empty(), api, ": ", busy);
     }
-    TORCH_CHECK(options.staging_bytes() > 0, api, ": LoadOptions::staging_bytes must be positive");
+    TORCH_CHECK(options.max_staging_bytes() > 0, api, ": LoadOptions::max_staging_bytes must be positive");
     index = std::make_unique<CheckpointIndex>(open_checkpoint(normalized(dir), api));
     // The checkpoint holds optimizer state when it holds a key of this optimizer's state dict (not
     // when some key merely starts with "state.": a model may have a submodule named `state`).
@@ -415,7 +417,7 @@ int64_t load_request(const char* api, const std::string& dir, const LoadRequest&
   agree_on_success(*comm, error, api, "validation; nothing was loaded");
   // Phase 2: read into the live tensors.
   try {
-    execute_reads(*index, targets, options.staging_bytes());
+    execute_reads(*index, targets, options.max_staging_bytes());
     if (finish) finish(request.has_optimizer && optimizer_found);
     if (extra != nullptr) {
       extra->values = index->extra_values;

@@ -17,6 +17,7 @@
 #include "checkpoint/dcp_support.h"
 #include "checkpoint/optimizer_state_dict.h"
 #include "checkpoint/state_dict.h"
+#include "contract/shape_text.h"
 #include "storage/atomic_directory.h"
 #include "storage/boxes.h"
 #include "storage/safetensors.h"
@@ -26,6 +27,7 @@
 
 namespace fsdp::dcp {
 using namespace detail;
+using contract::shape_string;
 
 namespace {
 
@@ -67,7 +69,7 @@ ShardedStateDict collect_state(const ShardedStateDict& base, const Extra& extra,
                 ": the local shard of '", key, "' must be a defined, contiguous 1-D tensor");
     TORCH_CHECK(shard.flat_offset >= 0 && shard.flat_offset + shard.local.numel() <= numel_of(shard.global_shape),
                 api, ": the local shard of '", key, "' holds elements [", shard.flat_offset, ", ",
-                shard.flat_offset + shard.local.numel(), ") of a tensor of shape ", shape_text(shard.global_shape),
+                shard.flat_offset + shard.local.numel(), ") of a tensor of shape ", shape_string(shard.global_shape),
                 " (", numel_of(shard.global_shape), " elements)");
   }
   return state;

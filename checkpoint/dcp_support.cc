@@ -2,7 +2,6 @@
 
 #include <cstdio>
 #include <filesystem>
-#include <sstream>
 
 #include <c10/util/Exception.h>
 
@@ -65,14 +64,6 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t s : shape) n *= s;
   return n;
-}
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << "]";
-  return out.str();
 }
 
 }  // namespace fsdp::dcp::detail

@@ -44,7 +44,6 @@ std::string join_path(const std::string& dir, const std::string& name);
 /// "a/b/" -> "a/b", so the temporary sibling of a folder is beside it whatever the spelling.
 std::string normalized(const std::string& dir);
 int64_t numel_of(const std::vector<int64_t>& shape);
-std::string shape_text(const std::vector<int64_t>& shape);
 /// Collective: commits a save_async not waited for yet (defined with saving).
 void wait_pending_save();
 

@@ -95,8 +95,15 @@ struct LoadOptions {
   /// into a float64 model). With false that is an error naming the key and both dtypes.
   TORCH_ARG(bool, convert_dtype) = false;
   /// The most bytes of the buffer that stages reads which cannot go straight into the
-  /// destination (non-CPU tensors, dtype conversions).
-  TORCH_ARG(int64_t, staging_bytes) = int64_t{16} << 20;
+  /// destination (non-CPU tensors, dtype conversions). The same name as LoadPretrainedOptions'.
+  TORCH_ARG(int64_t, max_staging_bytes) = int64_t{16} << 20;
+
+ public:
+  /// Deprecated: the old name of max_staging_bytes, kept so that existing code compiles; sets and
+  /// reads the same value.
+  LoadOptions& staging_bytes(int64_t bytes) { return max_staging_bytes(bytes); }
+  const int64_t& staging_bytes() const noexcept { return max_staging_bytes(); }
+  int64_t& staging_bytes() noexcept { return max_staging_bytes(); }
 };
 
 /// Saves `root`'s model (parameters, then buffers, by FQN), the state of `optimizer` (if given;

@@ -125,8 +125,9 @@ std::vector<char> pickle_untagged(const c10::IValue& value) {
 
 }  // namespace
 
-void save_safetensors(const std::string& dir, const FullStateDict& state, int64_t max_file_bytes) {
+void save_safetensors(const std::string& dir, const FullStateDict& state, const SaveSafetensorsOptions& options) {
   constexpr const char* api = "fsdp::save_safetensors";
+  const int64_t max_file_bytes = options.max_file_bytes();
   TORCH_CHECK(max_file_bytes > 0, api, ": max_file_bytes must be positive, got ", max_file_bytes);
   // Group the tensors into files, in order.
   std::vector<std::vector<storage::SafetensorsItem>> groups(1);
@@ -164,6 +165,10 @@ void save_safetensors(const std::string& dir, const FullStateDict& state, int64_
     fs::rename(path + ".partial", path);
   }
   storage::fsync_directory(dir);
+}
+
+void save_safetensors(const std::string& dir, const FullStateDict& state, int64_t max_file_bytes) {
+  save_safetensors(dir, state, SaveSafetensorsOptions().max_file_bytes(max_file_bytes));
 }
 
 FullStateDict load_safetensors(const std::string& path) {

@@ -21,6 +21,7 @@
 #include <string>
 
 #include <ATen/core/Tensor.h>
+#include <torch/arg.h>
 #include <torch/ordered_dict.h>
 
 namespace fsdp {
@@ -30,12 +31,25 @@ using FullStateDict = torch::OrderedDict<std::string, at::Tensor>;
 /// The default largest file of save_safetensors (Hugging Face's default shard size).
 inline constexpr int64_t kDefaultMaxSafetensorsFileBytes = int64_t{5} << 30;
 
+/// Options of save_safetensors, in the LibTorch style:
+///
+///   fsdp::save_safetensors(dir, sd, fsdp::SaveSafetensorsOptions().max_file_bytes(int64_t{2} << 30));
+struct SaveSafetensorsOptions {
+  /// The largest file (bytes of tensor data): more tensors than fit are split into numbered files
+  /// with an index (see above). A tensor larger than this gets a file of its own. Must be positive.
+  TORCH_ARG(int64_t, max_file_bytes) = kDefaultMaxSafetensorsFileBytes;
+};
+
 /// Writes `state` into the folder `dir` (created if needed) as a Hugging Face safetensors model
 /// (see above). Files of an earlier model in `dir` (model.safetensors, model-*-of-*.safetensors,
 /// model.safetensors.index.json) are removed first so the folder holds one model; other files are
 /// kept. Each file is written under a temporary name and renamed when complete.
-void save_safetensors(const std::string& dir, const FullStateDict& state,
-                      int64_t max_file_bytes = kDefaultMaxSafetensorsFileBytes);
+///
+///   if (rank == 0) fsdp::save_safetensors("/export/model", sd);
+void save_safetensors(const std::string& dir, const FullStateDict& state, const SaveSafetensorsOptions& options = {});
+
+/// The earlier form: save_safetensors(dir, state, SaveSafetensorsOptions().max_file_bytes(max_file_bytes)).
+void save_safetensors(const std::string& dir, const FullStateDict& state, int64_t max_file_bytes);
 
 /// Reads a state dict written by save_safetensors (or by Hugging Face tools): `path` is a folder
 /// (with model.safetensors.index.json, else model.safetensors), an index file, or one

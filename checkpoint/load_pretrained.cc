@@ -7,7 +7,6 @@
 #include <cerrno>
 #include <cstring>
 #include <memory>
-#include <sstream>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -22,6 +21,7 @@
 
 #include "checkpoint/full_state_dict_files.h"
 #include "contract/module_state.h"
+#include "contract/shape_text.h"
 #include "fsdp/fsdp_state.h"
 #include "fsdp/unit_tree.h"
 #include "storage/atomic_directory.h"
@@ -32,11 +32,6 @@ namespace {
 
 constexpr const char* kApi = "fsdp::load_pretrained";
 
-std::string shape_string(at::IntArrayRef shape) {
-  std::ostringstream out;
-  out << shape;
-  return out.str();
-}
 
 std::string join_keys(const std::vector<std::string>& keys) {
   std::string out;
@@ -316,8 +311,8 @@ std::string match(std::vector<Target>& targets, const Sources& sources, const Lo
       if (f == nullptr) continue;
       if (t.source == nullptr) t.source = f;
       if (f->shape != t.shape) {
-        problems.push_back("'" + fqn + "' has shape " + shape_string(f->shape) + " in the file but " +
-                           shape_string(t.shape) + " in the model");
+        problems.push_back("'" + fqn + "' has shape " + contract::shape_string(f->shape) + " in the file but " +
+                           contract::shape_string(t.shape) + " in the model");
       }
       if (!options.convert_dtype() && f->dtype != t.dtype) {
         problems.push_back("'" + fqn + "' has dtype " + std::string(c10::toString(f->dtype)) + " in the file but " +

@@ -34,7 +34,9 @@
 namespace fsdp {
 
 struct FullStateDictOptions {
-  /// Only rank 0 receives the tensors (the others get an empty dict), saving their memory.
+  /// Only rank 0 receives the tensors (the others get an empty dict), saving their memory. On by
+  /// default, unlike SummonFullParamsOptions::rank0_only: a full state dict is for saving, which
+  /// one rank does, so by default the other ranks do not hold the whole model.
   TORCH_ARG(bool, rank0_only) = true;
   /// Copies on the CPU (otherwise on the parameters' compute device).
   TORCH_ARG(bool, offload_to_cpu) = true;

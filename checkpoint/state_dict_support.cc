@@ -1,7 +1,6 @@
 #include "checkpoint/state_dict_support.h"
 
 #include <algorithm>
-#include <sstream>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -17,6 +16,7 @@
 
 #include "composable/fully_shard_internal.h"
 #include "contract/module_state.h"
+#include "contract/shape_text.h"
 #include "fsdp/root_context.h"
 #include "fsdp/unit_tree.h"
 
@@ -50,11 +50,6 @@ std::unordered_map<const void*, Place> places_of(const std::vector<FSDPState*>& 
   return places;
 }
 
-std::string shape_string(at::IntArrayRef shape) {
-  std::ostringstream out;
-  out << shape;
-  return out.str();
-}
 
 // The root's communicator and, with hybrid sharding, its replicate group: together the world.
 struct WorldGroups {
@@ -149,8 +144,8 @@ std::string validate(const std::vector<const state_dict_detail::ExpectedValue*>&
       continue;
     }
     if (value->sizes() != at::IntArrayRef(e->shape)) {
-      problems.push_back("'" + e->key + "' has shape " + shape_string(value->sizes()) + " in the state dict but " +
-                         shape_string(e->shape) + " in the model");
+      problems.push_back("'" + e->key + "' has shape " + contract::shape_string(value->sizes()) + " in the state dict but " +
+                         contract::shape_string(e->shape) + " in the model");
     }
     if (!convert_dtype && value->scalar_type() != e->dtype) {
       problems.push_back("'" + e->key + "' has dtype " + std::string(c10::toString(value->scalar_type())) +

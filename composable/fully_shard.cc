@@ -16,6 +16,7 @@
 #include "contract/contract.h"
 #include "contract/forward_hooks.h"
 #include "contract/module_fqn.h"
+#include "contract/shape_text.h"
 #include "fsdp/runtime.h"
 #include "fsdp/forward_errors.h"
 #include "fsdp/fsdp_state.h"
@@ -68,12 +69,6 @@ struct IgnoredStates {
   std::vector<at::Tensor> buffers;
   std::unordered_set<const void*> buffer_impls;
 };
-
-std::string shape_of(const at::Tensor& t) {
-  std::ostringstream out;
-  out << t.sizes();
-  return out.str();
-}
 
 IgnoredStates resolve_ignored(const std::vector<torch::nn::Module*>& modules, const FullyShardOptions& options,
                               const std::string& fqn) {
@@ -146,7 +141,7 @@ IgnoredStates resolve_ignored(const std::vector<torch::nn::Module*>& modules, co
   for (size_t i = 0; i < options.ignored_params().size(); ++i) {
     const at::Tensor& p = options.ignored_params()[i];
     TORCH_CHECK(in_tree.count(p.unsafeGetTensorImpl()), "fully_shard: ignored_params[", i, "] (shape ",
-                shape_of(p), ", ", p.scalar_type(), ") is not a parameter of module ", fqn,
+                contract::shape_string(p.sizes()), ", ", p.scalar_type(), ") is not a parameter of module ", fqn,
                 " or of its submodules; expected parameters registered in the tree fully_shard is applied to");
   }
   return ignored;

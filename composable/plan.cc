@@ -12,6 +12,7 @@
 
 #include "contract/module_fqn.h"
 #include "contract/module_state.h"
+#include "contract/shape_text.h"
 #include "fsdp/fsdp_state.h"
 #include "fsdp/tied_parameters.h"
 #include "fsdp/unit_tree.h"
@@ -26,12 +27,6 @@ bool strictly_inside(const std::string& outer, const std::string& inner) {
   if (inner == outer) return false;
   return outer.empty() || (inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 &&
                            inner[outer.size()] == '.');
-}
-
-std::string shape_string(at::IntArrayRef shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
 }
 
 // "fsdp::examples::BlockImpl" -> "BlockImpl".
@@ -89,7 +84,7 @@ HandlePlan plan_handle(const FlatParamHandle& handle, const FSDPConfig& config) 
   h.padded_numel = layout.padded_numel;
   h.shard_numel = layout.shard_numel();
   for (size_t i = 0; i < handle.params().size(); ++i) {
-    h.params.push_back(handle.params()[i].fqn + " " + shape_string(layout.entries[i].shape));
+    h.params.push_back(handle.params()[i].fqn + " " + contract::shape_string(layout.entries[i].shape));
   }
   return h;
 }

@@ -235,7 +235,7 @@ void broadcast_from_rank0(const std::vector<at::Tensor>& tensors, comm::Communic
     std::vector<at::Tensor> flat_parts;
     for (size_t j : group) flat_parts.push_back(tensors[j].detach().reshape({-1}));
     at::Tensor flat = at::cat(flat_parts);
-    comm.broadcast(flat, 0, "replicate: broadcast_module_states").wait();
+    comm.broadcast(flat, 0, "replicate: sync_module_states").wait();
     int64_t offset = 0;
     for (size_t j : group) {
       at::Tensor t = tensors[j].detach();
@@ -505,7 +505,7 @@ ReplicateModule replicate(torch::nn::Module& module, const ReplicateOptions& opt
       states.push_back(b);
     }
   }
-  if (options.broadcast_module_states() && !states.empty()) broadcast_from_rank0(states, *comm);
+  if (options.sync_module_states() && !states.empty()) broadcast_from_rank0(states, *comm);
 
   auto state = contract::apply_api(kReplicateApi, module, [&](torch::nn::Module& m) {
     auto s = std::make_shared<ReplicateState>(m, comm, bucket_cap_bytes);

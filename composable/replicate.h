@@ -60,10 +60,18 @@ struct ReplicateOptions {
   /// The size of a gradient bucket in MiB (DDP's bucket_cap_mb): a bucket is closed once it
   /// holds at least this many bytes, so a parameter larger than the cap gets a bucket of its own.
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
-  /// Broadcast rank 0's parameters and buffers when replicate is applied (as DDP does at
-  /// construction), so that ranks which initialised differently start equal. Parameters that a
-  /// fully_shard unit already manages (sharded) are left to their unit.
-  TORCH_ARG(bool, broadcast_module_states) = true;
+  /// Broadcast rank 0's parameters and buffers when replicate is applied, so that ranks which
+  /// initialised differently start equal. Parameters that a fully_shard unit already manages
+  /// (sharded) are left to their unit. The same option as FullyShardOptions::sync_module_states,
+  /// which is off by default; here it is on because DDP broadcasts rank 0's states at construction,
+  /// as PyTorch's replicate and DistributedDataParallel do.
+  TORCH_ARG(bool, sync_module_states) = true;
+
+ public:
+  /// The earlier name of sync_module_states: sets and reads the same value.
+  ReplicateOptions& broadcast_module_states(bool broadcast) { return sync_module_states(broadcast); }
+  const bool& broadcast_module_states() const noexcept { return sync_module_states(); }
+  bool& broadcast_module_states() noexcept { return sync_module_states(); }
 };
 
 /// One gradient bucket: parameters all-reduced together, in one flat buffer.

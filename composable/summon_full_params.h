@@ -54,7 +54,9 @@ struct SummonFullParamsOptions {
   /// same shape) back into each rank's shard. Off: edits are discarded.
   TORCH_ARG(bool, writeback) = true;
   /// Only rank 0 materialises the full parameters; the other ranks take part in the all-gathers
-  /// but keep their sharded parameters (and gradients) in the scope. Refused with writeback.
+  /// but keep their sharded parameters (and gradients) in the scope. Refused with writeback. Off
+  /// by default, unlike FullStateDictOptions::rank0_only: the full parameters are summoned to
+  /// compute with them (or edit them) on every rank, as PyTorch's summon_full_params does.
   TORCH_ARG(bool, rank0_only) = false;
   /// The full parameters (and gradients) are copies in host memory; writeback copies them back to
   /// the shards. Without sharding (NO_SHARD, one rank) they are copies too.

@@ -9,6 +9,8 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
+#include "contract/shape_text.h"
+
 namespace fsdp {
 namespace {
 
@@ -28,14 +30,6 @@ std::string get_string(const std::vector<uint8_t>& in, size_t& pos) {
   std::string s(in.begin() + static_cast<std::ptrdiff_t>(pos), in.begin() + static_cast<std::ptrdiff_t>(pos + n));
   pos += n;
   return s;
-}
-
-std::string shape_string(const std::vector<int64_t>& shape) {
-  std::ostringstream s;
-  s << "[";
-  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
-  s << "]";
-  return s.str();
 }
 
 std::string rank_list(const std::vector<int>& ranks) {
@@ -100,7 +94,7 @@ void add_all_gather_fields(Fingerprint& f, const std::vector<std::unique_ptr<Fla
   for (const auto& handle : handles) {
     const FlatParamLayout& layout = handle->layout();
     for (const auto& entry : layout.entries) {
-      params << (first_param ? "" : ", ") << entry.fqn << " " << shape_string(entry.shape);
+      params << (first_param ? "" : ", ") << entry.fqn << " " << contract::shape_string(entry.shape);
       first_param = false;
     }
     params << " (" << c10::toString(handle->compute_dtype()) << ")";

@@ -6,6 +6,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
+#include "contract/shape_text.h"
 #include "fsdp/storage_resize.h"
 #include "init/meta_init.h"
 
@@ -37,12 +38,6 @@ at::Tensor storage_slice(const at::Tensor& flat, int64_t offset, const std::vect
   }
   slice.set_(flat.storage(), flat.storage_offset() + offset, shape, strides);
   return slice;
-}
-
-std::string describe(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
 }
 
 }  // namespace
@@ -185,7 +180,7 @@ void FlatParamHandle::write_back_replaced_data() {
                 "low-precision compute, and FullyShardOptions::device to place the shards");
     TORCH_CHECK(p.sizes() == at::IntArrayRef(shape), "fully_shard: parameter '", params_[i].fqn,
                 "' of unit '", unit_fqn_, "' was replaced while sharded by a tensor of shape ",
-                p.sizes(), "; expected this rank's shard of it, of shape ", describe(shape),
+                p.sizes(), "; expected this rank's shard of it, of shape ", contract::shape_string(shape),
                 " (modify parameters in place, or replace them with tensors of their sharded "
                 "shape)");
     c10::NoGradGuard no_grad;
@@ -358,7 +353,7 @@ void FlatParamHandle::prepare_gradients_for_backward() {
       const auto shape = sharded_shape(i);
       TORCH_CHECK(g.sizes() == at::IntArrayRef(shape), "fully_shard: the gradient of '",
                   params_[i].fqn, "' in unit '", unit_fqn_, "' has shape ", g.sizes(),
-                  " while sharded; expected this rank's shard of it, of shape ", describe(shape));
+                  " while sharded; expected this rank's shard of it, of shape ", contract::shape_string(shape));
       held.narrow(0, s.shard_offset, s.size()).copy_(g.reshape({-1}));
     }
   }

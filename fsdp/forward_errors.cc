@@ -17,15 +17,16 @@
 #include "contract/forward_values.h"
 #include "contract/module_fqn.h"
 #include "contract/module_state.h"
+#include "contract/shape_text.h"
 #include "fsdp/fsdp_state.h"
 #include "fsdp/guard_support.h"
 #include "fsdp/root_context.h"
 
 namespace fsdp {
 
+using contract::shape_string;
 using guard::managed_params;
 using guard::ran_forward;
-using guard::shape_string;
 using guard::unit_name;
 
 void check_modules_can_run_hooks(const std::vector<torch::nn::Module*>& modules) {

@@ -11,12 +11,6 @@
 
 namespace fsdp::guard {
 
-std::string shape_string(at::IntArrayRef shape) {
-  std::ostringstream out;
-  out << shape;
-  return out.str();
-}
-
 std::string unit_name(const FSDPState& unit) { return "'" + unit.fqn() + "'"; }
 
 std::unordered_map<const void*, ManagedParam> managed_params(const RootContext& context) {

@@ -8,8 +8,6 @@
 #include <unordered_map>
 #include <vector>
 
-#include <c10/util/ArrayRef.h>
-
 namespace fsdp {
 
 class FSDPState;
@@ -25,7 +23,6 @@ struct ManagedParam {
   std::vector<int64_t> shape;  // unsharded
 };
 
-std::string shape_string(c10::IntArrayRef shape);
 /// 'fqn' of the unit, quoted.
 std::string unit_name(const FSDPState& unit);
 /// Every managed parameter of the root's tree, by TensorImpl, with its root-relative FQN (its first

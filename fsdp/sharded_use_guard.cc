@@ -16,16 +16,17 @@
 #include "contract/forward_values.h"
 #include "contract/module_fqn.h"
 #include "contract/module_state.h"
+#include "contract/shape_text.h"
 #include "fsdp/fsdp_state.h"
 #include "fsdp/guard_support.h"
 #include "fsdp/root_context.h"
 
 namespace fsdp {
 
+using contract::shape_string;
 using guard::exchange_findings;
 using guard::managed_params;
 using guard::ran_forward;
-using guard::shape_string;
 using guard::unit_name;
 
 std::vector<std::string> find_params_used_while_sharded(const std::vector<at::Tensor>& outputs,

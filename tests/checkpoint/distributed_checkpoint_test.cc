@@ -416,7 +416,7 @@ FSDP_RANKS_TEST_CASE("damaged checkpoints and other models are refused on every 
     check_same(full(wide_units.back()), wide_before);
     // Converted through a staging buffer of 3 floats: many reads per run.
     fsdp::dcp::load(dir, wide_units.back(), nullptr, nullptr,
-                    fsdp::dcp::LoadOptions(options).convert_dtype(true).staging_bytes(12));
+                    fsdp::dcp::LoadOptions(options).convert_dtype(true).max_staging_bytes(12));
     StateDict expected;
     for (const auto& item : reference_state(7)) {
       expected.insert(item.key(), item.value().to(wide_before[item.key()].scalar_type()));  // Module::to: all
@@ -426,6 +426,18 @@ FSDP_RANKS_TEST_CASE("damaged checkpoints and other models are refused on every 
   // The intact checkpoint still loads.
   load(options);
   check_same(full(units.back()), reference_state(7));
+}
+
+TEST_CASE("LoadOptions::staging_bytes is the old name of max_staging_bytes", "[dcp][options]") {
+  fsdp::dcp::LoadOptions options;
+  CHECK(options.max_staging_bytes() == int64_t{16} << 20);
+  CHECK(options.staging_bytes() == options.max_staging_bytes());
+  options.staging_bytes(12);  // the old setter sets the new name's value
+  CHECK(options.max_staging_bytes() == 12);
+  options.max_staging_bytes(40);
+  CHECK(options.staging_bytes() == 40);
+  // Chained on a temporary, as the setters of LibTorch's options are.
+  CHECK(fsdp::dcp::LoadOptions().convert_dtype(true).staging_bytes(7).max_staging_bytes() == 7);
 }
 
 FSDP_RANKS_TEST_CASE("saving over a checkpoint replaces it whole", "[dcp]") {
@@ -602,7 +614,7 @@ FSDP_RANKS_TEST_CASE("foreign checkpoints without a manifest load", "[dcp]") {
 
   // A Hugging Face model folder (whole tensors, no DCP_SHARDING_INFO), split over several files.
   const std::string hf = test_dir("foreign_hf");
-  if (rank() == 0) fsdp::save_safetensors(hf, expected, /*max_file_bytes=*/600);
+  if (rank() == 0) fsdp::save_safetensors(hf, expected, fsdp::SaveSafetensorsOptions().max_file_bytes(600));
   world().barrier();
   auto other = make_model(131);
   auto other_units = fsdp::testing::shard_stack(

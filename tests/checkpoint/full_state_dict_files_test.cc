@@ -73,7 +73,7 @@ FSDP_RANKS_TEST_CASE("one model.safetensors round-trips", "[full_state_dict_file
 FSDP_RANKS_TEST_CASE("a model split over several files with an index round-trips", "[full_state_dict_files]") {
   const std::string dir = test_dir("sharded");
   const auto state = sample_state();
-  fsdp::save_safetensors(dir, state, /*max_file_bytes=*/1000);
+  fsdp::save_safetensors(dir, state, fsdp::SaveSafetensorsOptions().max_file_bytes(1000));
   // embed.weight (1280 bytes) alone; layers.0.* and empty (256 + 32 + 8 + 12 + 0) together; head.weight (1440).
   CHECK(fsdp::storage::list_files(dir) == std::vector<std::string>{"model-00001-of-00003.safetensors",
                                                                     "model-00002-of-00003.safetensors",
@@ -101,7 +101,7 @@ FSDP_RANKS_TEST_CASE("a model split over several files with an index round-trips
 FSDP_RANKS_TEST_CASE("damaged safetensors models are refused naming the file", "[full_state_dict_files]") {
   const std::string dir = test_dir("damaged");
   const auto state = sample_state();
-  fsdp::save_safetensors(dir, state, 1000);
+  fsdp::save_safetensors(dir, state, 1000);  // the earlier form: max_file_bytes as a number
   const std::string second = dir + "/model-00002-of-00003.safetensors";
   std::string bytes = fsdp::storage::read_file(second);
   bytes[bytes.size() - 20] ^= 0x11;  // a data byte

@@ -35,6 +35,8 @@
 namespace {
 
 using Catch::Matchers::Contains;
+using fsdp::testing::error_of;  // tests/testing/errors.h, through multi_rank.h
+using fsdp::testing::kNoError;
 using fsdp::testing::world;
 using fsdp::testing::world_size;
 
@@ -58,17 +60,6 @@ size_t count_of(const std::string& text, const std::string& part) {
   size_t count = 0;
   for (size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) ++count;
   return count;
-}
-
-// The message of the c10::Error `fn` throws ("<no error>" if none).
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& error) {
-    return error.what_without_backtrace();
-  }
-  return "<no error>";
 }
 
 // The holder overload of fully_shard refuses, at compile time, holders whose call operator cannot
@@ -302,7 +293,7 @@ FSDP_RANKS_TEST_CASE("fully_shard's own errors inside a forward are left as they
   fsdp::fully_shard(model, o);
   const std::string message = error_of([&] { model(at::randn({2, 4}), fsdp::testing::rank() % 2 == 1); });
   if (world_size() == 1) {
-    CHECK(message == "<no error>");
+    CHECK(message == kNoError);
     return;
   }
   CHECK_THAT(message, Contains("fully_shard: the forward order differs across ranks"));

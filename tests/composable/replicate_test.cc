@@ -1,7 +1,7 @@
 // replicate over MPI on every world size of the launch: training parity against an unsharded
 // reference whose gradients are averaged over every rank's batch (DDP semantics, computed
 // without the library), bucket layout and overlap, gradient accumulation, unused parameters,
-// composition with fully_shard, errors and broadcast_module_states.
+// composition with fully_shard, errors and sync_module_states (broadcast_module_states).
 #include <algorithm>
 #include <functional>
 #include <memory>
@@ -500,7 +500,18 @@ FSDP_RANKS_TEST_CASE("replicate errors name the APIs and leave the model unchang
   }
 }
 
-FSDP_RANKS_TEST_CASE("replicate: broadcast_module_states makes differently initialised ranks start equal",
+TEST_CASE("ReplicateOptions: broadcast_module_states is another name of sync_module_states", "[replicate][options]") {
+  fsdp::ReplicateOptions options;
+  CHECK(options.sync_module_states());  // on by default, as DDP broadcasts at construction
+  CHECK(options.broadcast_module_states() == options.sync_module_states());
+  options.broadcast_module_states(false);
+  CHECK_FALSE(options.sync_module_states());
+  options.sync_module_states(true);
+  CHECK(options.broadcast_module_states());
+  CHECK_FALSE(fsdp::ReplicateOptions().bucket_cap_mb(4).broadcast_module_states(false).sync_module_states());
+}
+
+FSDP_RANKS_TEST_CASE("replicate: sync_module_states makes differently initialised ranks start equal",
                      "[replicate][broadcast]") {
   auto comm = fresh_comm();
   const int W = world_size();
@@ -533,7 +544,7 @@ FSDP_RANKS_TEST_CASE("replicate: broadcast_module_states makes differently initi
   // Without the broadcast, each rank keeps its own values.
   auto own = make(1000 + rank());
   const at::Tensor before = own->fc->weight.detach().clone();
-  fsdp::replicate(own, fsdp::ReplicateOptions().communicator(comm).broadcast_module_states(false));
+  fsdp::replicate(own, fsdp::ReplicateOptions().communicator(comm).sync_module_states(false));
   CHECK(own->fc->weight.equal(before));
   CHECK(comm->stats(CollectiveKind::kBroadcast).calls == 1);
 }
