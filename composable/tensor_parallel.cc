@@ -9,6 +9,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
 
 #include "composable/tensor_placement.h"
 #include "composable/tp_collectives.h"
@@ -69,7 +70,6 @@ struct Target {
 struct PlannedParam {
   at::Tensor param;
   TensorPlacement placement;
-  bool sum_gradient = false;  // replicated under sequence parallelism: each rank saw its positions
 };
 
 struct TensorParallelState final : contract::ApiState {
@@ -147,10 +147,11 @@ std::vector<PlannedParam> plan_parameters(const Target& t, const ParallelStyle& 
       place(embedding->weight, 0, 1, "the vocabulary");
     }
   } else {
-    for (auto& p : t.module->parameters(/*recurse=*/false)) {
-      place(p, -1, 1, "");
-      out.back().sum_gradient = true;
-    }
+    const auto own = t.module->parameters(/*recurse=*/false);
+    TORCH_CHECK(own.empty() || dynamic_cast<torch::nn::LayerNormImpl*>(t.module.get()), where(t),
+                ": SequenceParallel supports LayerNorm and modules without parameters of their own (Dropout, "
+                "activations); found ", t.module->name(), " with ", own.size(), " parameters");
+    for (auto& p : own) place(p, -1, 1, "");
   }
   return out;
 }
@@ -181,6 +182,22 @@ class HiddenMember {
   HiddenMember(const HiddenMember&) = delete;
   HiddenMember& operator=(const HiddenMember&) = delete;
   const at::Tensor& value() const { return saved_; }
+
+ private:
+  at::Tensor& member_;
+  at::Tensor saved_;
+};
+
+// Replaces a module member tensor by a function of it for the duration of a call.
+class SwappedMember {
+ public:
+  template <typename Fn>
+  SwappedMember(at::Tensor& member, Fn&& fn) : member_(member), saved_(member) {
+    if (saved_.defined()) member_ = fn(saved_);
+  }
+  ~SwappedMember() { member_ = saved_; }
+  SwappedMember(const SwappedMember&) = delete;
+  SwappedMember& operator=(const SwappedMember&) = delete;
 
  private:
   at::Tensor& member_;
@@ -222,7 +239,11 @@ contract::ForwardWrapper make_wrapper(const Target& t, const ParallelStyle& styl
         out = forward(local).toTensor();
         out = s.output_layout().is_shard ? tp::reduce_scatter_tp(out, s.output_layout().dim, group)
                                          : tp::reduce_from_tp(out, group);
-        if (bias.value().defined()) out = out + bias.value();
+        if (bias.value().defined()) {
+          // Sequence-sharded output: each rank's bias gradient covers only its positions, so the
+          // whole gradient is the sum over the group.
+          out = out + (s.output_layout().is_shard ? tp::copy_to_tp(bias.value(), group) : bias.value());
+        }
         return c10::IValue(out);
       }
       out = s.output_layout().is_shard ? tp::reduce_scatter_tp(out, s.output_layout().dim, group)
@@ -232,10 +253,17 @@ contract::ForwardWrapper make_wrapper(const Target& t, const ParallelStyle& styl
   }
   if (std::holds_alternative<SequenceParallel>(style)) {
     const auto s = std::get<SequenceParallel>(style);
-    return [s, group, fqn](torch::nn::Module&, const contract::ForwardArgs& args, const contract::ForwardFunction& forward) {
-      if (s.input_layout().is_shard) return forward(args);
+    return [s, group, fqn](torch::nn::Module& m, const contract::ForwardArgs& args, const contract::ForwardFunction& forward) {
       contract::ForwardArgs local = args;
-      local[0] = tp::split_to_tp(first_tensor(args, fqn, "SequenceParallel"), s.sequence_dim(), group);
+      if (!s.input_layout().is_shard) {
+        local[0] = tp::split_to_tp(first_tensor(args, fqn, "SequenceParallel"), s.sequence_dim(), group);
+      }
+      auto* norm = dynamic_cast<torch::nn::LayerNormImpl*>(&m);
+      if (norm == nullptr) return forward(local);
+      // Each rank normalizes only its positions: the parameters' whole gradient is the sum over
+      // the group (copy_to_tp: identity forward, all-reduce backward).
+      SwappedMember weight(norm->weight, [&](const at::Tensor& w) { return tp::copy_to_tp(w, group); });
+      SwappedMember bias(norm->bias, [&](const at::Tensor& b) { return tp::copy_to_tp(b, group); });
       return forward(local);
     };
   }
@@ -390,13 +418,6 @@ void parallelize_module(torch::nn::Module& module, const std::shared_ptr<comm::C
         if (planned.placement.sharded()) {
           at::NoGradGuard no_grad;
           p.set_data(planned.placement.local_piece(p.detach(), rank));
-        } else if (planned.sum_gradient && group->size() > 1 && p.requires_grad()) {
-          // Each rank saw only its positions: the whole gradient is the sum over the group.
-          p.register_hook([group](const at::Tensor& grad) {
-            at::Tensor sum = grad.contiguous().clone();
-            group->all_reduce(sum, c10d::ReduceOp::SUM, "tensor_parallel: sequence-parallel gradient").wait();
-            return sum;
-          });
         }
         set_tensor_placement(p, planned.placement);
       }

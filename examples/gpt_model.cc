@@ -28,21 +28,28 @@ void GPTConfig::validate() const {
 }
 
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& config)
-    : n_heads_(config.n_heads()), dropout_(config.dropout()) {
+    : n_heads_(config.n_heads()), head_dim_(config.d_model() / config.n_heads()), dropout_(config.dropout()) {
   const int64_t d = config.d_model();
   qkv = register_module("qkv", contract::Linear(d, 3 * d));
   proj = register_module("proj", contract::Linear(d, d));
 }
 
 at::Tensor CausalSelfAttentionImpl::forward(at::Tensor x) {
-  const int64_t batch = x.size(0), time = x.size(1), width = x.size(2);
-  // [B, T, 3C] -> three [B, H, T, C/H]
+  // [B, T, 3C] -> three [B, H, T, C/H]. Under tensor parallelism (examples/gpt_tensor_parallel.h)
+  // qkv is column-parallel: this rank's output is [B, T, 3C/n] (its heads of q, k and v), and the
+  // sizes are read from it (with sequence parallelism x holds T/n positions, the output all T).
+  const at::Tensor qkv_out = qkv(x);
+  const int64_t batch = qkv_out.size(0), time = qkv_out.size(1), width = qkv_out.size(2) / 3;
+  TORCH_CHECK(width % head_dim_ == 0, "CausalSelfAttention: this rank's q/k/v width ", width,
+              " is not a whole number of heads of size ", head_dim_, " (n_heads ", n_heads_,
+              " must be divisible by the tensor-parallel size)");
+  const int64_t local_heads = width / head_dim_;
   auto heads = [&](const at::Tensor& t) {
-    return t.view({batch, time, n_heads_, width / n_heads_}).transpose(1, 2);
+    return t.view({batch, time, local_heads, head_dim_}).transpose(1, 2);
   };
-  const auto qkv_out = qkv(x).split(width, /*dim=*/2);
-  at::Tensor y = at::scaled_dot_product_attention(heads(qkv_out[0]), heads(qkv_out[1]),
-                                                  heads(qkv_out[2]), /*attn_mask=*/{},
+  const auto parts = qkv_out.split(width, /*dim=*/2);
+  at::Tensor y = at::scaled_dot_product_attention(heads(parts[0]), heads(parts[1]),
+                                                  heads(parts[2]), /*attn_mask=*/{},
                                                   is_training() ? dropout_ : 0.0,
                                                   /*is_causal=*/true);
   y = y.transpose(1, 2).contiguous().view({batch, time, width});
@@ -115,6 +122,7 @@ at::Tensor GPTImpl::forward(at::Tensor tokens) {
       at::dropout(tok_emb(tokens) + pos_emb(positions), config_.dropout(), is_training());
   for (const auto& block : *blocks) x = block.forward(x);
   // The output layer shares the token embedding's weight ([Note: tied embedding]).
+  if (output_layer_) return output_layer_(ln_f(x), tok_emb->weight);
   return ln_f(x).matmul(tok_emb->weight.t());
 }
 

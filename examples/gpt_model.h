@@ -29,6 +29,7 @@
 // forward to the end of its backward).
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -79,6 +80,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
 
  private:
   int64_t n_heads_;
+  int64_t head_dim_;
   double dropout_;
 };
 FSDP_HOOKABLE_MODULE(CausalSelfAttention);
@@ -128,6 +130,12 @@ class GPTImpl : public torch::nn::Module {
 
   const GPTConfig& config() const { return config_; }
 
+  /// Replaces the output layer `hidden.matmul(weight.t())` (hidden: ln_f's output, weight: the
+  /// tied token embedding's): tensor parallelism computes vocabulary-parallel logits there
+  /// (examples/gpt_tensor_parallel.h). Empty: the plain matmul.
+  using OutputLayer = std::function<at::Tensor(const at::Tensor& hidden, const at::Tensor& weight)>;
+  void set_output_layer(OutputLayer layer) { output_layer_ = std::move(layer); }
+
   contract::Embedding tok_emb{nullptr};
   contract::Embedding pos_emb{nullptr};
   contract::ModuleList blocks{nullptr};
@@ -137,6 +145,7 @@ class GPTImpl : public torch::nn::Module {
   void init_weights();
 
   GPTConfig config_;
+  OutputLayer output_layer_;
 };
 FSDP_HOOKABLE_MODULE(GPT);
 

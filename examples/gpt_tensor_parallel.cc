@@ -1,0 +1,58 @@
+#include "examples/gpt_tensor_parallel.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include "composable/loss_parallel.h"
+#include "composable/tp_collectives.h"
+
+namespace fsdp::examples {
+
+TensorParallelPlan gpt_tensor_parallel_plan(const GptTensorParallel& options) {
+  const bool sp = options.sequence_parallel();
+  const Layout seq = Layout::shard(1);
+  TensorParallelPlan plan;
+  plan.emplace_back("tok_emb", RowwiseParallel()
+                                   .input_layout(Layout::replicate())
+                                   .output_layout(sp ? seq : Layout::replicate()));
+  if (sp) {
+    plan.emplace_back("pos_emb", PrepareModuleOutput()
+                                     .output_layout(Layout::replicate())
+                                     .desired_output_layout(Layout::shard(0)));
+  }
+  plan.emplace_back("blocks.*.attn.qkv", ColwiseParallel().chunks(3).input_layout(sp ? seq : Layout::replicate()));
+  plan.emplace_back("blocks.*.attn.proj", RowwiseParallel().output_layout(sp ? seq : Layout::replicate()));
+  plan.emplace_back("blocks.*.mlp.fc", ColwiseParallel().input_layout(sp ? seq : Layout::replicate()));
+  plan.emplace_back("blocks.*.mlp.proj", RowwiseParallel().output_layout(sp ? seq : Layout::replicate()));
+  if (sp) {
+    plan.emplace_back("blocks.*.ln1", SequenceParallel());
+    plan.emplace_back("blocks.*.ln2", SequenceParallel());
+    plan.emplace_back("ln_f", SequenceParallel());
+  }
+  return plan;
+}
+
+GptLossFunction parallelize_gpt(GPT& model, const std::shared_ptr<comm::Communicator>& group,
+                                const GptTensorParallel& options) {
+  const bool sp = options.sequence_parallel();
+  if (sp) {
+    TORCH_CHECK(model->config().context_length() % group->size() == 0, "parallelize_gpt: sequence parallelism "
+                "splits the sequence over ", group->size(), " ranks; the context length ",
+                model->config().context_length(), " is not a multiple of it");
+  }
+  parallelize_module(*model, group, gpt_tensor_parallel_plan(options));
+  const bool lp = options.loss_parallel();
+  // The tied output layer: the hidden states enter the vocabulary-parallel matmul whole (their
+  // gradient, partial on each rank, summed or reduce-scattered back).
+  model->set_output_layer([group, sp, lp](const at::Tensor& hidden, const at::Tensor& weight) {
+    at::Tensor h = sp ? tp::all_gather_tp(hidden, 1, group) : tp::copy_to_tp(hidden, group);
+    at::Tensor logits = h.matmul(weight.t());
+    return lp ? logits : tp::gather_from_tp(logits, -1, group);
+  });
+  if (!lp) return next_token_loss;
+  return [group](const at::Tensor& logits, const at::Tensor& targets) {
+    return tp::vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}), group);
+  };
+}
+
+}  // namespace fsdp::examples
