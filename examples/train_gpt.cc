@@ -42,6 +42,7 @@
 #include "checkpoint/full_state_dict_files.h"
 #include "checkpoint/load_pretrained.h"
 #include "checkpoint/state_dict.h"
+#include "comm/device_mesh.h"
 #include "comm/init.h"
 #include "composable/activation_checkpoint.h"
 #include "composable/fully_shard.h"
@@ -50,6 +51,7 @@
 #include "composable/wrap_policy.h"
 #include "examples/char_corpus.h"
 #include "examples/gpt_model.h"
+#include "examples/gpt_tensor_parallel.h"
 
 namespace {
 
@@ -92,6 +94,14 @@ constexpr const char* kUsage =
   --init-from PATH       load pretrained weights (a model.safetensors file, or a folder / index of
                          model-0000k-of-0000n.safetensors) straight into the shards: each rank
                          reads only its slices (fsdp::load_pretrained)
+  --tp N                 tensor parallel size (default 1): the ranks form a (dp, tp) = (np / N, N)
+                         mesh; each block's attention heads and MLP and the tied embedding's
+                         vocabulary are split over the N ranks of a tp group
+                         (fsdp::parallelize_module, examples/gpt_tensor_parallel.h), and
+                         fully_shard shards the pieces over the np / N ranks of a dp group. The
+                         ranks of one tp group train on the same batch
+  --sequence-parallel    with --tp: LayerNorms and the residual stream split along the sequence
+  --loss-parallel        with --tp: the loss on vocabulary-parallel logits, never gathered
   --checkpoint-activations
                          activation checkpointing on every block
                          (fsdp::checkpoint_activations_tree): each block keeps only its input
@@ -117,6 +127,9 @@ struct Flags {
   std::string resume_dir;
   bool checkpoint_activations = false;
   bool meta_init = false;
+  int64_t tp = 1;
+  bool sequence_parallel = false;
+  bool loss_parallel = false;
   std::string init_from;
   std::string profile;
   bool help = false;
@@ -188,6 +201,14 @@ Flags parse_flags(int argc, char** argv) {
       f.checkpoint_activations = true;
       continue;
     }
+    if (name == "--sequence-parallel") {  // a switch: no value
+      f.sequence_parallel = true;
+      continue;
+    }
+    if (name == "--loss-parallel") {  // a switch: no value
+      f.loss_parallel = true;
+      continue;
+    }
     if (name.rfind("--", 0) != 0) throw std::invalid_argument("unexpected argument '" + name + "'");
     std::string value;
     if (const size_t eq = name.find('='); eq != std::string::npos) {
@@ -206,6 +227,7 @@ Flags parse_flags(int argc, char** argv) {
     else if (name == "--lr") f.lr = parse_positive_double(name, value);
     else if (name == "--seed") f.seed = static_cast<uint64_t>(parse_int(name, value, 0));
     else if (name == "--threads") f.threads = parse_int(name, value, 1);
+    else if (name == "--tp") f.tp = parse_int(name, value, 1);
     else if (name == "--check-unsharded") f.check_unsharded = parse_int(name, value, 0) != 0;
     else if (name == "--save") f.save_dir = value;
     else if (name == "--export") f.export_dir = value;
@@ -221,6 +243,14 @@ Flags parse_flags(int argc, char** argv) {
     } else {
       throw std::invalid_argument("unknown flag '" + name + "'");
     }
+  }
+  if ((f.sequence_parallel || f.loss_parallel) && f.tp == 1) {
+    throw std::invalid_argument("--sequence-parallel and --loss-parallel need --tp larger than 1");
+  }
+  if (f.tp > 1 && (f.meta_init || !f.init_from.empty() || !f.save_dir.empty() || !f.resume_dir.empty() ||
+                   !f.export_dir.empty())) {
+    throw std::invalid_argument("--tp does not combine with --meta-init, --init-from, --save, --resume or "
+                                "--export yet (checkpoints of tensor-parallel models are not supported yet)");
   }
   if (f.d_model % f.heads != 0) {
     throw std::invalid_argument("--d-model (" + std::to_string(f.d_model) +
@@ -409,13 +439,24 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
   const int rank = comm.rank();
   const int world = comm.size();
   const at::Device device = group.device;
+  // --tp: a (dp, tp) mesh; fully_shard communicates over the dp group, the tensor-parallel
+  // layers over the tp group. Without it fully_shard uses the default process group.
+  TORCH_CHECK(world % f.tp == 0, "--tp ", f.tp, " does not divide the number of ranks ", world);
+  const int dp_world = world / static_cast<int>(f.tp);
+  std::shared_ptr<fsdp::comm::DeviceMesh> mesh;
+  if (f.tp > 1) mesh = fsdp::comm::DeviceMesh::create(comm, {dp_world, static_cast<int>(f.tp)}, {"dp", "tp"});
+  fsdp::comm::Communicator& fsdp_comm = mesh ? *mesh->group("dp") : comm;
+  const int dp_rank = mesh ? mesh->coordinate("dp") : rank;
   const bool main_rank = rank == 0;
   // The example's own reductions (the loss printed per step) go through a second communicator on
   // the same backend, so the default one counts exactly what fully_shard communicates.
   fsdp::comm::Communicator metrics(comm.backend(), device);
 
   const auto corpus = fsdp::examples::CharCorpus::embedded();
-  const GPTConfig config = GPTConfig(corpus.tokenizer().vocab_size())
+  // With --tp the vocabulary is padded to a multiple of the tp size (as Megatron pads it): the
+  // extra rows are never a target and only ever learn to be unlikely.
+  const int64_t vocab = (corpus.tokenizer().vocab_size() + f.tp - 1) / f.tp * f.tp;
+  const GPTConfig config = GPTConfig(vocab)
                                .context_length(f.context)
                                .d_model(f.d_model)
                                .n_heads(f.heads)
@@ -449,7 +490,20 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
   // fully_shard on each, bottom-up, and on the root (embeddings, tied output layer, ln_f).
   const auto blocks = fsdp::WrapPolicy::module_types<fsdp::examples::BlockImpl>();
   if (f.checkpoint_activations) fsdp::checkpoint_activations_tree(*model, blocks);
-  const auto options = fsdp::FullyShardOptions().strategy(strategy).device(device);
+  // Tensor parallelism first: fully_shard then shards each rank's pieces over its dp group.
+  fsdp::examples::GptLossFunction loss_of = fsdp::examples::next_token_loss;
+  if (mesh) {
+    loss_of = fsdp::examples::parallelize_gpt(
+        model, mesh->group("tp"),
+        fsdp::examples::GptTensorParallel().sequence_parallel(f.sequence_parallel).loss_parallel(f.loss_parallel));
+    if (main_rank) {
+      std::printf("tensor parallel: mesh %s; heads, MLP and vocabulary split over tp%s%s; fully_shard over dp\n\n",
+                  mesh->describe().c_str(), f.sequence_parallel ? ", sequence parallel" : "",
+                  f.loss_parallel ? ", loss parallel" : "");
+    }
+  }
+  auto options = fsdp::FullyShardOptions().strategy(strategy).device(device);
+  if (mesh) options.communicator(mesh->group("dp"));
   std::vector<fsdp::FSDPModule> units = fsdp::fully_shard_tree(*model, blocks, options);
   if (!f.init_from.empty()) {
     const auto load_start = Clock::now();
@@ -493,7 +547,8 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
   std::vector<double> losses;
   StateBytes held;
   StatsSnapshot after_first_step;
-  const StatsSnapshot before = snapshot(comm);
+  const StatsSnapshot before = snapshot(fsdp_comm);
+  const StatsSnapshot tp_before = mesh ? snapshot(*mesh->group("tp")) : StatsSnapshot{};
   const auto train_start = Clock::now();
   // The profiled steps: the second to the fourth of this run (the first one initialises).
   const int64_t profile_from = first_step + 1, profile_to = std::min(f.steps, first_step + 3);
@@ -503,16 +558,16 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
   }
   for (int64_t step = first_step; step <= f.steps; ++step) {
     if (profiling && step == profile_from) start_profiler();
-    world_sizes.push_back(world);
-    const auto batch = batch_for(corpus, f, step, rank, device);
+    world_sizes.push_back(dp_world);
+    const auto batch = batch_for(corpus, f, step, dp_rank, device);
     const auto step_start = Clock::now();
-    at::Tensor loss = fsdp::examples::next_token_loss(model(batch.inputs), batch.targets);
+    at::Tensor loss = loss_of(model(batch.inputs), batch.targets);
     loss.backward();
     optim.step();
     if (step == f.steps) held = sharded_bytes(units, optim);  // before zero_grad frees the grads
     optim.zero_grad();
     const double step_seconds = seconds_since(step_start);
-    if (step == first_step) after_first_step = snapshot(comm);
+    if (step == first_step) after_first_step = snapshot(fsdp_comm);
     if (profiling && step == profile_to) stop_profiler(f.profile, profile_from, profile_to);
 
     at::Tensor mean_loss = loss.detach().clone();
@@ -520,12 +575,13 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
     losses.push_back(mean_loss.item<double>());
     if (main_rank) {
       std::printf("step %3" PRId64 "/%" PRId64 "  loss %.4f  %7.0f tokens/s\n", step, f.steps,
-                  losses.back(), static_cast<double>(world * f.batch * f.context) / step_seconds);
+                  losses.back(), static_cast<double>(dp_world * f.batch * f.context) / step_seconds);
       std::fflush(stdout);
     }
   }
   const double train_seconds = seconds_since(train_start);
-  const StatsSnapshot after = snapshot(comm);
+  const StatsSnapshot after = snapshot(fsdp_comm);
+  const StatsSnapshot tp_after = mesh ? snapshot(*mesh->group("tp")) : StatsSnapshot{};
   const int64_t trained = f.steps - first_step + 1;
 
   if (!f.save_dir.empty()) {
@@ -585,6 +641,17 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
     }
     std::printf("  design for %s with %" PRId64 " units: %s\n", strategy_label(strategy),
                 f.layers + 1, expected_collectives(strategy, f.layers).c_str());
+    if (mesh) {
+      std::printf("\ntensor-parallel collectives per step over the tp group (rank 0, mean over %" PRId64
+                  " steps, first included):\n", trained);
+      for (const auto& [kind, total] : tp_after) {
+        const auto& start = tp_before.at(kind);
+        if (total.calls == start.calls) continue;
+        std::printf("  %-24s %10.2f %14.0f\n", fsdp::comm::to_string(kind),
+                    static_cast<double>(total.calls - start.calls) / trained,
+                    static_cast<double>(total.bytes - start.bytes) / trained);
+      }
+    }
     std::fflush(stdout);
   }
 

@@ -3,7 +3,9 @@
 // the example GPT (Megatron-style plan) trained on every (dp, tp) mesh of the world with and
 // without sequence parallelism and loss parallel, against an unsharded reference whose gradients
 // are averaged over the dp groups' batches (the ranks of one tp group see the same batch).
+#include <cmath>
 #include <functional>
+#include <limits>
 #include <map>
 #include <optional>
 #include <memory>
@@ -15,6 +17,7 @@
 #include <torch/optim/adamw.h>
 
 #include "comm/device_mesh.h"
+#include "composable/clip_grad_norm.h"
 #include "composable/fully_shard.h"
 #include "composable/loss_parallel.h"
 #include "composable/tensor_parallel.h"
@@ -365,4 +368,38 @@ FSDP_RANKS_TEST_CASE("parallelize_module: bad input is refused on every rank, th
   fsdp::fully_shard(sharded, fsdp::FullyShardOptions().communicator(group));
   CHECK_THROWS_WITH(fsdp::parallelize_module(*sharded, group, {{"blocks.0.mlp.fc", fsdp::ColwiseParallel()}}),
                     Contains("managed by fully_shard") && Contains("before fully_shard"));
+}
+
+FSDP_RANKS_TEST_CASE("clip_grad_norm_ counts TP-sharded gradients once per piece and TP-whole ones once", "[tp][clip]") {
+  for (auto [dp, tp] : meshes_of_world()) {
+    for (bool sp : {false, true}) {
+      INFO("mesh (dp=" << dp << ", tp=" << tp << "), sequence parallel " << sp);
+      auto mesh = fsdp::comm::DeviceMesh::create(world(), {dp, tp}, {"dp", "tp"});
+      auto model = make_gpt();
+      auto reference = make_gpt();
+      auto loss_fn = fsdp::examples::parallelize_gpt(model, mesh->group("tp"),
+                                                     fsdp::examples::GptTensorParallel().sequence_parallel(sp));
+      auto options = fsdp::FullyShardOptions().communicator(mesh->group("dp"));
+      std::vector<fsdp::FSDPModule> units;
+      for (auto& block : model->block_list()) units.push_back(fsdp::fully_shard(block, options));
+      units.push_back(fsdp::fully_shard(model, options));
+      const int q_mine = mesh->coordinate("dp");
+      loss_fn(model(tokens(0, q_mine, 5)), tokens(0, q_mine, 6)).backward();
+      for (int q = 0; q < dp; ++q) {
+        (fsdp::examples::next_token_loss(reference(tokens(0, q, 5)), tokens(0, q, 6)) / dp).backward();
+      }
+      double ref_sq = 0.0, ref_max = 0.0;
+      for (const auto& p : reference->parameters()) {
+        ref_sq += p.grad().pow(2).sum().item<double>();
+        ref_max = std::max(ref_max, p.grad().abs().max().item<double>());
+      }
+      const double ref_norm = std::sqrt(ref_sq);
+      CHECK(fsdp::clip_grad_norm_(units.back(), 1e9, std::numeric_limits<double>::infinity()) ==
+            Approx(ref_max).epsilon(1e-4));
+      CHECK(fsdp::clip_grad_norm_(units.back(), 1e9) == Approx(ref_norm).epsilon(1e-4));
+      // Clipping to half the norm scales every gradient: the norm is then half.
+      CHECK(fsdp::clip_grad_norm_(units.back(), ref_norm / 2) == Approx(ref_norm).epsilon(1e-4));
+      CHECK(fsdp::clip_grad_norm_(units.back(), 1e9) == Approx(ref_norm / 2).epsilon(1e-4));
+    }
+  }
 }
