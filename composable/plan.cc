@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
+#include "composable/tensor_placement.h"
 #include "contract/module_fqn.h"
 #include "contract/module_state.h"
 #include "contract/shape_text.h"
@@ -84,7 +85,9 @@ HandlePlan plan_handle(const FlatParamHandle& handle, const FSDPConfig& config) 
   h.padded_numel = layout.padded_numel;
   h.shard_numel = layout.shard_numel();
   for (size_t i = 0; i < handle.params().size(); ++i) {
-    h.params.push_back(handle.params()[i].fqn + " " + contract::shape_string(layout.entries[i].shape));
+    std::string text = handle.params()[i].fqn + " " + contract::shape_string(layout.entries[i].shape);
+    if (auto placement = tensor_placement(handle.params()[i].param)) text += " (" + placement->describe() + ")";
+    h.params.push_back(std::move(text));
   }
   return h;
 }
@@ -363,6 +366,26 @@ void plan_tied_and_unmanaged(torch::nn::Module& root_module, const std::vector<s
   }
 }
 
+// The tensor-parallel placements of the tree's parameters (one tp group: parallelize_module's).
+void plan_tensor_parallel(torch::nn::Module& root_module, ShardingPlan& result) {
+  auto& tp = result.tensor_parallel;
+  for (const auto& param : root_module.parameters()) {
+    const auto placement = tensor_placement(param);
+    if (!placement) continue;
+    tp.size = std::max(tp.size, placement->size());
+    tp.mesh_dim = placement->mesh_dim;
+    if (placement->sharded()) {
+      ++tp.sharded_params;
+      int64_t global = 1;
+      for (int64_t d : placement->global_shape) global *= d;
+      tp.global_numel += global;
+      tp.local_numel += global / placement->size();
+    } else {
+      ++tp.whole_params;
+    }
+  }
+}
+
 }  // namespace
 
 ShardingPlan plan(torch::nn::Module& root_module, const PlanOptions& options) {
@@ -405,6 +428,7 @@ ShardingPlan plan(torch::nn::Module& root_module, const PlanOptions& options) {
   plan_unsharded_params(result);
   if (!tally.passthrough) plan_unsharded_grads(result);
   plan_tied_and_unmanaged(root_module, states, result);
+  plan_tensor_parallel(root_module, result);
   return result;
 }
 
@@ -491,6 +515,13 @@ std::ostream& operator<<(std::ostream& out, const ShardingPlan& plan) {
         for (const auto& p : h.params) s << indent << "    " << p << "\n";
       }
     }
+  }
+  if (plan.tensor_parallel.sharded_params + plan.tensor_parallel.whole_params > 0) {
+    const auto& tp = plan.tensor_parallel;
+    s << "Tensor parallel over " << tp.mesh_dim << "=" << tp.size << " (parallelize_module): " << tp.sharded_params
+      << " parameters split over the group (this rank holds " << tp.local_numel << " of their " << tp.global_numel
+      << " elements; every figure here counts this rank's pieces), " << tp.whole_params
+      << " whole on every rank of it. Its collectives move activations (batch-dependent, not below).\n";
   }
   if (!plan.tied_parameters.empty()) {
     s << "Tied parameters (placed by fully_shard; none moves at lazy initialisation):\n";

@@ -229,6 +229,17 @@ struct ShardingPlan {
   /// Bound on the unsharded gradient buffers alive at once in backward.
   int64_t unsharded_grads_bound = 0;
   CommunicationPlan communication;
+  /// Tensor parallelism (parallelize_module before fully_shard): the parameters it placed. Every
+  /// figure above counts this rank's pieces; the tensor-parallel collectives move activations, whose
+  /// size depends on the batch, and are not predicted.
+  struct TensorParallel {
+    int size = 1;                 // the tp group's size (1: no tensor parallelism)
+    std::string mesh_dim;         // its mesh dimension's name
+    int64_t sharded_params = 0;   // split over the tp group
+    int64_t whole_params = 0;     // whole on every rank of the group (row-parallel biases, ...)
+    int64_t local_numel = 0;      // elements of the split ones on this rank
+    int64_t global_numel = 0;     // and their global elements
+  } tensor_parallel;
 };
 
 /// The sharding plan of the tree of `root`, the unit fully_shard made of the outermost module (see

@@ -17,6 +17,7 @@
 #include "contract/forward_hooks.h"
 #include "contract/module_state.h"
 #include "fsdp/fsdp_state.h"
+#include "init/meta_init.h"
 
 namespace fsdp {
 namespace {
@@ -397,9 +398,9 @@ void parallelize_module(torch::nn::Module& module, const std::shared_ptr<comm::C
       }
     }
     for (const auto& planned : params[fqn]) {
-      TORCH_CHECK(!planned.param.is_meta(), where(t), ": a meta-device parameter of shape ",
-                  shape_text(planned.param.sizes()), "; materialize the model first (fsdp::materialize_module) "
-                  "- tensor parallel on meta-device models is not supported yet");
+      TORCH_CHECK(!planned.param.is_meta() || has_recorded_init(planned.param), where(t),
+                  ": a meta-device parameter of shape ", shape_text(planned.param.sizes()), " whose values "
+                  "were not recorded (build the model under fsdp::MetaInitGuard)");
       TORCH_CHECK(!tensor_placement(planned.param), where(t), ": a parameter is already placed by an earlier "
                   "parallelize_module (tied to another parallelized module?)");
       fingerprint += shape_text(planned.param.sizes()) + planned.placement.describe() + ";";
@@ -415,7 +416,15 @@ void parallelize_module(torch::nn::Module& module, const std::shared_ptr<comm::C
       auto state = std::make_shared<TensorParallelState>();
       for (auto& planned : params[fqn]) {
         at::Tensor p = planned.param;
-        if (planned.placement.sharded()) {
+        if (planned.placement.sharded() && p.is_meta()) {
+          // No memory: a meta tensor of the piece's shape whose values are this rank's piece of
+          // the recorded ones (fully_shard or materialize_module materializes only it).
+          at::Tensor piece = at::empty(planned.placement.local_shape(), p.options().requires_grad(false));
+          record_derived_values(piece, p.detach(), [placement = planned.placement, rank](const at::Tensor& whole) {
+            return placement.local_piece(whole, rank);
+          });
+          p.set_data(piece);
+        } else if (planned.placement.sharded()) {
           at::NoGradGuard no_grad;
           p.set_data(planned.placement.local_piece(p.detach(), rank));
         }

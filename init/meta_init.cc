@@ -55,9 +55,17 @@ struct Record {
   std::vector<std::shared_ptr<const Step>> steps;  // steps[0] creates it
 };
 
+// A meta memory whose values are a function of another meta tensor's (record_derived_values).
+struct Derived {
+  c10::Storage storage;  // keeps the key from being reused
+  at::Tensor source;
+  std::function<at::Tensor(const at::Tensor&)> derive;
+};
+
 struct Registry {
   std::mutex mutex;
   std::unordered_map<const c10::StorageImpl*, std::shared_ptr<Record>> records;
+  std::unordered_map<const c10::StorageImpl*, std::shared_ptr<Derived>> derived;
   int64_t steps = 0;
 };
 
@@ -402,13 +410,51 @@ MetaInitGuard::MetaInitGuard() : include_(kRecordKey) {
 
 MetaInitGuard::~MetaInitGuard() { --t_session.depth; }
 
+namespace {
+
+// Under the registry's lock.
+std::shared_ptr<Derived> find_derived(const at::Tensor& t) {
+  if (!has_storage(t) || !t.is_meta()) return nullptr;
+  const auto it = registry().derived.find(storage_key(t));
+  return it == registry().derived.end() ? nullptr : it->second;
+}
+
+}  // namespace
+
 bool has_recorded_init(const at::Tensor& tensor) {
   std::lock_guard<std::mutex> lock(registry().mutex);
-  return find_record(tensor) != nullptr;
+  return find_record(tensor) != nullptr || find_derived(tensor) != nullptr;
+}
+
+void record_derived_values(const at::Tensor& derived, const at::Tensor& source,
+                           std::function<at::Tensor(const at::Tensor&)> derive) {
+  TORCH_CHECK(derived.defined() && derived.is_meta() && source.defined() && source.is_meta(),
+              "fsdp::record_derived_values: expected two meta tensors");
+  TORCH_CHECK(derive != nullptr, "fsdp::record_derived_values: no function given");
+  TORCH_CHECK(has_recorded_init(source), "fsdp::record_derived_values: the source tensor has no recorded "
+              "values (it was not built inside a MetaInitGuard, or its record was cleared)");
+  auto entry = std::make_shared<Derived>();
+  entry->storage = derived.storage();
+  entry->source = source.detach();
+  entry->derive = std::move(derive);
+  std::lock_guard<std::mutex> lock(registry().mutex);
+  registry().derived[storage_key(derived)] = std::move(entry);
 }
 
 at::Tensor materialize_values(const at::Tensor& tensor, const std::string& name) {
   TORCH_CHECK(tensor.defined() && tensor.is_meta(), "fsdp::materialize: ", name, " is not a meta tensor");
+  std::shared_ptr<Derived> derived;
+  {
+    std::lock_guard<std::mutex> lock(registry().mutex);
+    derived = find_derived(tensor);
+  }
+  if (derived) {
+    at::Tensor values = derived->derive(materialize_values(derived->source, name)).contiguous();
+    TORCH_CHECK(values.sizes() == tensor.sizes() && values.scalar_type() == tensor.scalar_type(),
+                "fsdp::materialize: ", name, ": the derived values have shape ", values.sizes(), " and dtype ",
+                values.scalar_type(), "; expected ", tensor.sizes(), " and ", tensor.scalar_type());
+    return values;
+  }
   std::shared_ptr<Record> record;
   size_t version = 0;
   {
@@ -460,6 +506,7 @@ MetaInitStats meta_init_stats() {
 void clear_meta_init_records() {
   std::lock_guard<std::mutex> lock(registry().mutex);
   registry().records.clear();
+  registry().derived.clear();
   registry().steps = 0;
 }
 

@@ -91,6 +91,17 @@ bool has_recorded_init(const at::Tensor& tensor);
 /// FQN) when the tensor has no record or a replayed operation fails.
 at::Tensor materialize_values(const at::Tensor& tensor, const std::string& name = "tensor");
 
+/// Records that the meta tensor `derived` (which has memory of its own, e.g. at::empty on meta)
+/// holds `derive` applied to `source`'s values: materialize_values(derived) replays `source` and
+/// returns `derive` of it (of `derived`'s shape and dtype). For APIs that replace a meta parameter
+/// by a piece of it (tensor parallelism gives each rank its rows of a fused projection); `source`
+/// must have a record (or be derived itself) and is kept alive by this one.
+///
+///   at::Tensor piece = at::empty({rows / 2, cols}, weight.options());
+///   fsdp::record_derived_values(piece, weight, [](const at::Tensor& w) { return w.narrow(0, 0, w.size(0) / 2); });
+void record_derived_values(const at::Tensor& derived, const at::Tensor& source,
+                           std::function<at::Tensor(const at::Tensor&)> derive);
+
 /// Makes the meta tensor `meta` hold `values` in place: the same tensor object (the module's member,
 /// its parameter dict entry, the optimizer's reference all see it), now with `values`' memory,
 /// device, shape and strides (as set_data does; fully_shard gives a parameter its 1-D shard view);

@@ -17,15 +17,19 @@
 #include <torch/optim/adamw.h>
 
 #include "comm/device_mesh.h"
+#include "composable/activation_checkpoint.h"
 #include "composable/clip_grad_norm.h"
 #include "composable/fully_shard.h"
 #include "composable/loss_parallel.h"
+#include "composable/plan.h"
 #include "composable/tensor_parallel.h"
 #include "composable/tensor_placement.h"
 #include "composable/tp_collectives.h"
+#include "contract/hookable_module_holder.h"
 #include "contract/hookable_modules.h"
 #include "examples/gpt_model.h"
 #include "examples/gpt_tensor_parallel.h"
+#include "init/meta_init.h"
 #include "tests/testing/multi_rank.h"
 
 namespace {
@@ -61,12 +65,14 @@ fsdp::examples::GPT make_gpt() {
 struct TpCase {
   bool sequence_parallel = false;
   bool loss_parallel = false;
+  bool activation_checkpointing = false;  // on every block, before fully_shard
   std::optional<c10::ScalarType> param_dtype;  // bf16 mixed precision
 };
 
 void run_gpt_parity(int dp, int tp, const TpCase& c, int iterations = 3) {
   INFO("mesh (dp=" << dp << ", tp=" << tp << "), sequence parallel " << c.sequence_parallel << ", loss parallel "
-                   << c.loss_parallel << ", bf16 " << c.param_dtype.has_value());
+                   << c.loss_parallel << ", bf16 " << c.param_dtype.has_value() << ", activation checkpointing "
+                   << c.activation_checkpointing);
   auto mesh = fsdp::comm::DeviceMesh::create(world(), {dp, tp}, {"dp", "tp"});
   auto model = make_gpt();
   auto reference = make_gpt();
@@ -76,8 +82,20 @@ void run_gpt_parity(int dp, int tp, const TpCase& c, int iterations = 3) {
   auto options = fsdp::FullyShardOptions().communicator(mesh->group("dp"));
   if (c.param_dtype) options.mixed_precision(fsdp::MixedPrecision().param_dtype(*c.param_dtype));
   std::vector<fsdp::FSDPModule> units;
-  for (auto& block : model->block_list()) units.push_back(fsdp::fully_shard(block, options));
+  for (auto& block : model->block_list()) {
+    if (c.activation_checkpointing) fsdp::checkpoint_activations(block);
+    units.push_back(fsdp::fully_shard(block, options));
+  }
   units.push_back(fsdp::fully_shard(model, options));
+  // The plan sees the pieces: 13 split parameters (tok_emb; per block qkv, fc and both projections'
+  // weights, qkv's and fc's biases) of 14736 elements, the projections' biases whole (and the
+  // LayerNorms with sequence parallelism).
+  const auto planned = fsdp::plan(units.back());
+  CHECK(planned.tensor_parallel.size == tp);
+  CHECK(planned.tensor_parallel.sharded_params == 13);
+  CHECK(planned.tensor_parallel.whole_params == (c.sequence_parallel ? 14 : 4));
+  CHECK(planned.tensor_parallel.global_numel == 14736);
+  CHECK(planned.tensor_parallel.local_numel == 14736 / tp);
 
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(3e-3).weight_decay(0.01));
   torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(3e-3).weight_decay(0.01));
@@ -255,6 +273,72 @@ FSDP_RANKS_TEST_CASE("GPT: loss parallel alone, and bf16 mixed precision, on the
   run_gpt_parity(dp, tp, TpCase{.sequence_parallel = true, .param_dtype = at::kBFloat16});
 }
 
+FSDP_RANKS_TEST_CASE("GPT: activation checkpointing on every block composes with TP and SP", "[tp][gpt][ac]") {
+  const auto meshes = meshes_of_world();
+  const auto [dp, tp] = meshes.size() > 1 ? meshes[meshes.size() / 2] : meshes[0];
+  run_gpt_parity(dp, tp, TpCase{.activation_checkpointing = true});
+  run_gpt_parity(1, world_size(),
+                 TpCase{.sequence_parallel = true, .loss_parallel = true, .activation_checkpointing = true});
+}
+
+// A model that uses every style and layout the GPT plan does not: column-parallel output gathered
+// to Replicate, row-parallel input split from Replicate, a column-parallel embedding,
+// PrepareModuleInput Shard(1) -> Replicate, and SequenceParallel splitting a Replicate input.
+struct StylesNetImpl : torch::nn::Module {
+  StylesNetImpl() {
+    emb = register_module("emb", fsdp::contract::Embedding(torch::nn::EmbeddingOptions(10, 12)));
+    up = register_module("up", fsdp::contract::Linear(12, 24));
+    down = register_module("down", fsdp::contract::Linear(24, 12));
+    norm = register_module("norm", fsdp::contract::LayerNorm(torch::nn::LayerNormOptions({12})));
+    mix = register_module("mix", fsdp::contract::Linear(12, 12));
+  }
+  at::Tensor forward(at::Tensor ids) {
+    at::Tensor x = emb(ids);               // [B, T, 12]
+    x = x + down(at::gelu(up(x)));
+    x = norm(x);                           // Shard(1) out with SequenceParallel from Replicate
+    return mix(x);                         // PrepareModuleInput Shard(1) -> Replicate
+  }
+  fsdp::contract::Embedding emb{nullptr};
+  fsdp::contract::Linear up{nullptr}, down{nullptr};
+  fsdp::contract::LayerNorm norm{nullptr};
+  fsdp::contract::Linear mix{nullptr};
+};
+FSDP_HOOKABLE_MODULE(StylesNet);
+
+FSDP_RANKS_TEST_CASE("every style and layout: outputs and gathered gradients equal the unsharded model's", "[tp][styles]") {
+  const int n = world_size();
+  if (12 % n != 0) return;  // 1, 2, 3, 4 divide 12
+  auto group = std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU);
+  torch::manual_seed(3);
+  StylesNet model;
+  torch::manual_seed(3);
+  StylesNet reference;
+  fsdp::parallelize_module(*model, group, {
+      {"emb", fsdp::ColwiseParallel().output_layout(fsdp::Layout::replicate())},
+      {"up", fsdp::ColwiseParallel().output_layout(fsdp::Layout::replicate())},
+      {"down", fsdp::RowwiseParallel().input_layout(fsdp::Layout::replicate())},
+      {"norm", fsdp::SequenceParallel().input_layout(fsdp::Layout::replicate())},
+      {"mix", fsdp::PrepareModuleInput().input_layout(fsdp::Layout::shard(1)).desired_input_layout(fsdp::Layout::replicate())},
+  });
+  auto gen = at::detail::createCPUGenerator(5);
+  const at::Tensor ids = at::randint(10, {2, 12}, gen);
+  const at::Tensor weights = at::randn({2, 12, 12}, gen);
+  at::Tensor out = model(ids);
+  at::Tensor expected = reference(ids);
+  REQUIRE(out.sizes() == expected.sizes());
+  CHECK(at::allclose(out.detach(), expected.detach(), 1e-5, 1e-6));
+  (out * weights).sum().backward();
+  (expected * weights).sum().backward();
+  const auto ref_params = reference->named_parameters();
+  for (const auto& item : model->named_parameters()) {
+    INFO("gradient of " << item.key());
+    at::Tensor g = item.value().grad();
+    REQUIRE(g.defined());
+    if (auto p = fsdp::tensor_placement(item.value())) g = fsdp::gather_global(g, *p);
+    CHECK(at::allclose(g, ref_params[item.key()].grad(), 1e-5, 1e-6));
+  }
+}
+
 FSDP_RANKS_TEST_CASE("GPT: HSDP + TP on a 3-D (replicate, shard, tp) mesh", "[tp][gpt][hsdp]") {
   if (world_size() != 4) return;  // (replicate, shard, tp) = (2, 1, 2) and (1, 2, 2) need 4 ranks
   for (int shard : {1, 2}) {
@@ -401,5 +485,43 @@ FSDP_RANKS_TEST_CASE("clip_grad_norm_ counts TP-sharded gradients once per piece
       CHECK(fsdp::clip_grad_norm_(units.back(), ref_norm / 2) == Approx(ref_norm).epsilon(1e-4));
       CHECK(fsdp::clip_grad_norm_(units.back(), 1e9) == Approx(ref_norm / 2).epsilon(1e-4));
     }
+  }
+}
+
+FSDP_RANKS_TEST_CASE("a GPT built on the meta device: TP x fully_shard materializes only the pieces, with the values of the unsharded build", "[tp][meta]") {
+  for (auto [dp, tp] : meshes_of_world()) {
+    INFO("mesh (dp=" << dp << ", tp=" << tp << ")");
+    auto mesh = fsdp::comm::DeviceMesh::create(world(), {dp, tp}, {"dp", "tp"});
+    auto build = [] {
+      torch::manual_seed(7);
+      fsdp::MetaInitGuard meta;
+      return fsdp::examples::GPT(
+          fsdp::examples::GPTConfig(kVocab).context_length(kContext).d_model(24).n_heads(12).n_layers(2));
+    };
+    auto model = build();
+    auto reference = build();
+    fsdp::materialize_module(*reference);
+    const at::Tensor& qkv = model->block_list()[0]->attn->qkv->weight;
+    fsdp::examples::parallelize_gpt(model, mesh->group("tp"));
+    CHECK(qkv.is_meta());
+    CHECK(qkv.sizes() == at::IntArrayRef({72 / tp, 24}));
+    auto options = fsdp::FullyShardOptions().communicator(mesh->group("dp"));
+    std::vector<fsdp::FSDPModule> units;
+    for (auto& block : model->block_list()) units.push_back(fsdp::fully_shard(block, options));
+    units.push_back(fsdp::fully_shard(model, options));
+    for (const auto& p : model->parameters()) CHECK(!p.is_meta());
+    for (auto& u : units) u.unshard();
+    const auto ref_params = reference->named_parameters();
+    for (const auto& item : model->named_parameters()) {
+      INFO("parameter " << item.key());
+      at::Tensor mine = item.value().detach();
+      if (auto p = fsdp::tensor_placement(item.value())) mine = fsdp::gather_global(mine, *p);
+      CHECK(mine.equal(ref_params[item.key()].detach()));
+    }
+    for (auto& u : units) u.reshard();
+    // And it trains: one step runs on every rank.
+    auto loss = fsdp::examples::next_token_loss(model(tokens(0, mesh->coordinate("dp"), 9)), tokens(0, 0, 10));
+    loss.backward();
+    CHECK(std::isfinite(loss.item<double>()));
   }
 }
