@@ -259,32 +259,37 @@ bool plan_target(const CheckpointIndex& index, Target& target, const LoadOptions
   if (it == index.keys.end()) return false;
   const KeyIndex& key = it->second;
   TORCH_CHECK(key.shape == shard.global_shape, api, ": key '", target.key, "' has shape ", shape_string(key.shape),
-              " in the checkpoint '", index.dir, "' but ", shape_string(shard.global_shape), " here");
+              " in the checkpoint '", index.dir, "' but ", shape_string(shard.global_shape), " here (expected the ",
+              shard.piece ? "global shape of the tensor-parallel model, " : "model's shape, ",
+              shape_string(shard.global_shape), ", found ", shape_string(key.shape), ")");
   const c10::ScalarType want = shard.local.scalar_type();
   TORCH_CHECK(key.dtype == want || options.convert_dtype(), api, ": key '", target.key, "' is stored as ",
               storage::safetensors_dtype_name(key.dtype), " in the checkpoint '", index.dir, "' but is ",
               c10::toString(want), " here; pass LoadOptions().convert_dtype(true) to convert it");
-  const int64_t begin = shard.flat_offset;
-  const int64_t end = begin + shard.local.numel();
-  if (begin == end) return true;
-  std::vector<std::pair<storage::Run, const Piece*>> runs;
-  for (const Piece& piece : key.pieces) {
-    for (const auto& run : storage::runs_of_box(key.shape, piece.box, begin, end)) runs.emplace_back(run, &piece);
-  }
-  std::sort(runs.begin(), runs.end(),
-            [](const auto& a, const auto& b) { return a.first.global_begin < b.first.global_begin; });
-  int64_t pos = begin;
-  for (const auto& [run, piece] : runs) {
-    TORCH_CHECK(run.global_begin <= pos, api, ": key '", target.key, "': the checkpoint '", index.dir,
-                "' holds no value for flat elements [", pos, ", ", run.global_begin, ") (its boxes do not cover them)");
-    const int64_t skip = pos - run.global_begin;
-    if (skip >= run.length) continue;
-    target.reads.push_back({piece, run.local_begin + skip, pos - begin, run.length - skip});
-    pos = run.global_begin + run.length;
+  // The shard's elements as contiguous runs of the global tensor (one run without a
+  // tensor-parallel piece), each filled from the checkpoint's boxes.
+  for (const GlobalRun& want : global_runs(shard)) {
+    const int64_t begin = want.global_begin;
+    const int64_t end = begin + want.length;
+    std::vector<std::pair<storage::Run, const Piece*>> runs;
+    for (const Piece& piece : key.pieces) {
+      for (const auto& run : storage::runs_of_box(key.shape, piece.box, begin, end)) runs.emplace_back(run, &piece);
+    }
+    std::sort(runs.begin(), runs.end(),
+              [](const auto& a, const auto& b) { return a.first.global_begin < b.first.global_begin; });
+    int64_t pos = begin;
+    for (const auto& [run, piece] : runs) {
+      TORCH_CHECK(run.global_begin <= pos, api, ": key '", target.key, "': the checkpoint '", index.dir,
+                  "' holds no value for flat elements [", pos, ", ", run.global_begin, ") (its boxes do not cover them)");
+      const int64_t skip = pos - run.global_begin;
+      if (skip >= run.length) continue;
+      target.reads.push_back({piece, run.local_begin + skip, want.local_begin + (pos - begin), run.length - skip});
+      pos = run.global_begin + run.length;
+    }
+    TORCH_CHECK(pos >= end, api, ": key '", target.key, "': the checkpoint '", index.dir,
+                "' holds no value for flat elements [", pos, ", ", end, ") (its boxes do not cover them)");
   }
   for (const Read& read : target.reads) index.open_file(read.piece->file, api);
-  TORCH_CHECK(pos >= end, api, ": key '", target.key, "': the checkpoint '", index.dir,
-              "' holds no value for flat elements [", pos, ", ", end, ") (its boxes do not cover them)");
   if (options.verify_checksums()) {
     // Once per piece, over the span of the bytes read from it.
     std::map<const Piece*, std::pair<int64_t, int64_t>> spans;

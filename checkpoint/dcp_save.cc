@@ -67,28 +67,30 @@ ShardedStateDict collect_state(const ShardedStateDict& base, const Extra& extra,
                 "prefixed 'extra.', must be distinct)");
     TORCH_CHECK(shard.local.defined() && shard.local.dim() == 1 && shard.local.is_contiguous(), api,
                 ": the local shard of '", key, "' must be a defined, contiguous 1-D tensor");
-    TORCH_CHECK(shard.flat_offset >= 0 && shard.flat_offset + shard.local.numel() <= numel_of(shard.global_shape),
+    const std::vector<int64_t> piece_shape = shard.piece_shape();
+    TORCH_CHECK(shard.flat_offset >= 0 && shard.flat_offset + shard.local.numel() <= numel_of(piece_shape),
                 api, ": the local shard of '", key, "' holds elements [", shard.flat_offset, ", ",
-                shard.flat_offset + shard.local.numel(), ") of a tensor of shape ", shape_string(shard.global_shape),
-                " (", numel_of(shard.global_shape), " elements)");
+                shard.flat_offset + shard.local.numel(), ") of a tensor of shape ", shape_string(piece_shape),
+                " (", numel_of(piece_shape), " elements)",
+                shard.piece ? " (its tensor-parallel piece of the global shape " + shape_string(shard.global_shape) + ")"
+                            : std::string());
   }
   return state;
 }
 
 RankPlan plan_rank(const ShardedStateDict& state, int rank) {
   RankPlan plan;
-  std::vector<std::vector<storage::Box>> per_key_boxes;
+  // Per key, its boxes in GLOBAL coordinates (a tensor-parallel piece: several, see
+  // [Note: tensor-parallel pieces] in checkpoint/local_shard.h).
+  std::vector<std::vector<GlobalBox>> per_key_boxes;
   size_t files = 0;
   for (const auto& [key, shard] : state) {
-    std::vector<storage::Box> boxes;
-    if (shard.write && shard.local.numel() > 0) {
-      boxes = storage::boxes_of_flat_range(shard.global_shape, shard.flat_offset,
-                                           shard.flat_offset + shard.local.numel());
-    }
+    std::vector<GlobalBox> boxes;
+    if (shard.write && shard.local.numel() > 0) boxes = global_boxes(shard);
     files = std::max(files, boxes.size());
     json record_boxes = json::array();
     for (size_t j = 0; j < boxes.size(); ++j) {
-      record_boxes.push_back(json::array({static_cast<int>(j), boxes[j].offsets, boxes[j].sizes}));
+      record_boxes.push_back(json::array({static_cast<int>(j), boxes[j].box.offsets, boxes[j].box.sizes}));
     }
     plan.keys.push_back(json::array({key, storage::safetensors_dtype_name(shard.local.scalar_type()),
                                      shard.global_shape, std::move(record_boxes)}));
@@ -100,15 +102,12 @@ RankPlan plan_rank(const ShardedStateDict& state, int rank) {
     plan.file_names.push_back(shard_file_name(rank, static_cast<int>(j), static_cast<int>(files)));
   }
   for (size_t k = 0; k < state.size(); ++k) {
-    const LocalShard& shard = state[k].second;
     for (size_t j = 0; j < per_key_boxes[k].size(); ++j) {
-      const storage::Box& box = per_key_boxes[k][j];
-      // The box's elements are contiguous in flat order: from the flat index of its first corner.
-      int64_t first = 0;
-      for (size_t d = 0; d < box.offsets.size(); ++d) first = first * shard.global_shape[d] + box.offsets[d];
-      at::Tensor data = shard.local.narrow(0, first - shard.flat_offset, box.numel()).view(box.sizes);
+      GlobalBox& box = per_key_boxes[k][j];
+      // A box that does not span the piece's trailing dimensions is strided in `local`: a copy.
+      at::Tensor data = box.data.is_contiguous() ? box.data : box.data.contiguous();
       plan.file_items[j].push_back({state[k].first, std::move(data)});
-      plan.file_sharding[j][state[k].first] = json{{kSavedOffsetsKey, box.offsets}};
+      plan.file_sharding[j][state[k].first] = json{{kSavedOffsetsKey, box.box.offsets}};
     }
   }
   return plan;

@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -20,6 +21,8 @@
 #include <torch/nn/module.h>
 
 #include "checkpoint/full_state_dict_files.h"
+#include "checkpoint/local_shard.h"
+#include "composable/tensor_placement.h"
 #include "contract/module_state.h"
 #include "contract/shape_text.h"
 #include "fsdp/fsdp_state.h"
@@ -217,6 +220,14 @@ struct Target {
   at::Tensor local;        // 1-D, this rank's elements [begin, end) of the flattened value; may be empty
   int64_t begin = 0;
   int64_t end = 0;
+  // A tensor-parallel parameter: [begin, end) index this rank's piece of the global value `shape`.
+  std::optional<TensorPiece> piece;
+
+  // This rank's elements as contiguous runs of the (global) value in the file.
+  std::vector<GlobalRun> runs() const {
+    if (!piece) return end == begin ? std::vector<GlobalRun>{} : std::vector<GlobalRun>{{begin, 0, end - begin}};
+    return global_runs(LocalShard{local, shape, begin, true, piece});
+  }
   const FileTensor* source = nullptr;
 };
 
@@ -271,6 +282,15 @@ std::vector<Target> targets_of(torch::nn::Module& root, const std::vector<std::s
       t.local = param.detach().view({-1});
       t.begin = 0;
       t.end = param.numel();
+    }
+    if (const auto placement = tensor_placement(param); placement && placement->sharded()) {
+      // [Note: tensor parallelism in state dicts] (checkpoint/state_dict_support.h): the file holds
+      // the global value; this rank reads its piece's elements of it.
+      TORCH_CHECK(placement->local_shape() == t.shape, kApi, ": tensor-parallel parameter '", item.key(), "' (",
+                  placement->describe(), ") should hold a piece of shape ",
+                  contract::shape_string(placement->local_shape()), " but holds ", contract::shape_string(t.shape));
+      t.piece = TensorPiece{placement->dim, placement->global_ranges(placement->group->rank())};
+      t.shape = placement->global_shape;
     }
     targets.push_back(std::move(t));
   }
@@ -347,11 +367,11 @@ int64_t covered_block_bytes(int64_t begin, int64_t end, int64_t nbytes, int64_t 
   return last - first;
 }
 
-// Writes elements [t.begin, t.end) of t.source's value into t.local.
+// Writes elements [t.begin, t.end) of t.source's value (of this rank's piece of it, with tensor
+// parallelism: one read per contiguous run of the global value) into t.local.
 void load_target(const Target& t, const Sources& sources, const LoadPretrainedOptions& options,
                  LoadPretrainedStats& stats) {
   const FileTensor& f = *t.source;
-  const int64_t n = t.end - t.begin;
   const int64_t esz = f.element_size();
   auto read_range = [&](int64_t elem_begin, int64_t count, void* dst) {
     if (f.safetensors != nullptr) {
@@ -363,36 +383,61 @@ void load_target(const Target& t, const Sources& sources, const LoadPretrainedOp
     stats.read_calls += 1;
   };
   const auto cpu = at::TensorOptions().dtype(f.dtype).device(at::kCPU);
+  const std::vector<GlobalRun> runs = t.runs();
   if (!f.contiguous) {
-    // A strided view in a .pt file: read the span of its storage it covers, then take the slice.
+    // A strided view in a .pt file: read the span of its storage it covers, then take the slices.
     int64_t extent = 1;
     for (size_t d = 0; d < f.shape.size(); ++d) extent += (f.shape[d] - 1) * f.strides[d];
     at::Tensor span = at::empty({extent}, cpu);
     read_range(0, extent, span.mutable_data_ptr());
-    t.local.copy_(span.as_strided(f.shape, f.strides, 0).reshape({-1}).narrow(0, t.begin, n));
+    const at::Tensor flat = span.as_strided(f.shape, f.strides, 0).reshape({-1});
+    for (const GlobalRun& run : runs) {
+      t.local.narrow(0, run.local_begin, run.length).copy_(flat.narrow(0, run.global_begin, run.length));
+    }
     return;
   }
   const at::Tensor& dst = t.local;
   if (dst.device().is_cpu() && dst.scalar_type() == f.dtype && dst.is_contiguous()) {
-    read_range(t.begin, n, dst.mutable_data_ptr());  // straight into the shard
+    for (const GlobalRun& run : runs) {  // straight into the shard
+      read_range(run.global_begin, run.length, static_cast<char*>(dst.mutable_data_ptr()) + run.local_begin * esz);
+    }
     return;
   }
   const int64_t chunk = std::max<int64_t>(1, options.max_staging_bytes() / esz);
-  at::Tensor staging = at::empty({std::min(chunk, n)}, cpu);
-  for (int64_t done = 0; done < n;) {
-    const int64_t m = std::min(chunk, n - done);
-    read_range(t.begin + done, m, staging.mutable_data_ptr());
-    dst.narrow(0, done, m).copy_(staging.narrow(0, 0, m));
-    done += m;
+  at::Tensor staging;
+  for (const GlobalRun& run : runs) {
+    if (!staging.defined() || staging.numel() < std::min(chunk, run.length)) {
+      staging = at::empty({std::min(chunk, run.length)}, cpu);
+    }
+    for (int64_t done = 0; done < run.length;) {
+      const int64_t m = std::min(chunk, run.length - done);
+      read_range(run.global_begin + done, m, staging.mutable_data_ptr());
+      dst.narrow(0, run.local_begin + done, m).copy_(staging.narrow(0, 0, m));
+      done += m;
+    }
   }
 }
 
 // A unit's communicator and, with hybrid sharding, its replicate group: together the world.
+// With tensor parallelism also the TP group of the model's parameters.
 struct World {
   std::shared_ptr<comm::Communicator> shard;
   std::shared_ptr<comm::Communicator> replicate;
-  explicit World(const FSDPState& unit) : shard(unit.config().comm), replicate(unit.config().replicate) {}
-  int rank() const { return shard->rank() + (replicate ? replicate->rank() * shard->size() : 0); }
+  std::shared_ptr<comm::Communicator> tp;
+  World(const FSDPState& unit, const torch::nn::Module& root)
+      : shard(unit.config().comm), replicate(unit.config().replicate) {
+    for (const auto& item : root.named_parameters()) {
+      const auto placement = tensor_placement(item.value());
+      if (placement && placement->group && placement->size() > 1) {
+        tp = placement->group;
+        break;
+      }
+    }
+  }
+  int rank() const {
+    const int dp = shard->rank() + (replicate ? replicate->rank() * shard->size() : 0);
+    return tp ? dp * tp->size() + tp->rank() : dp;
+  }
 
   // Every rank learns whether any rank failed, and the first failing rank's message.
   std::string agree(const std::string& local) const {
@@ -400,6 +445,7 @@ struct World {
         at::full({1}, local.empty() ? 0 : 1, at::TensorOptions().dtype(at::kLong).device(shard->device()));
     shard->all_reduce(failed, c10d::ReduceOp::MAX, "load_pretrained").wait();
     if (replicate) replicate->all_reduce(failed, c10d::ReduceOp::MAX, "load_pretrained").wait();
+    if (tp) tp->all_reduce(failed, c10d::ReduceOp::MAX, "load_pretrained").wait();
     if (failed.item<int64_t>() == 0) return {};
     auto pick = [](comm::Communicator& c, const std::string& mine) {
       for (const auto& bytes : c.all_gather_bytes(std::vector<uint8_t>(mine.begin(), mine.end()), "load_pretrained")) {
@@ -409,6 +455,7 @@ struct World {
     };
     std::string first = pick(*shard, local);
     if (replicate) first = pick(*replicate, first);
+    if (tp) first = pick(*tp, first);
     return first;
   }
 };
@@ -427,7 +474,7 @@ LoadPretrainedResult load_pretrained(torch::nn::Module& root, const std::string&
   const auto units = distinct_units_in_tree(root);
   TORCH_CHECK(!units.empty(), where, ": the module's tree has no fully_shard unit (apply fully_shard first; an "
               "unsharded model loads with fsdp::load_safetensors or fsdp::load_pt)");
-  const World world(*units.front());
+  const World world(*units.front(), root);
   TORCH_CHECK(options.max_staging_bytes() > 0, where, ": max_staging_bytes must be positive, got ",
               options.max_staging_bytes());
   LoadPretrainedResult result;
@@ -457,9 +504,16 @@ LoadPretrainedResult load_pretrained(torch::nn::Module& root, const std::string&
         if (t.source == nullptr || t.source->safetensors == nullptr || t.end == t.begin) continue;
         const int64_t esz = t.source->element_size();
         const auto& header = t.source->safetensors->header();
-        t.source->safetensors->verify(*t.source->entry, t.begin * esz, t.end * esz);
+        // Once over the span of the bytes read (a tensor-parallel piece: several runs).
+        int64_t lo = -1, hi = -1;
+        for (const GlobalRun& run : t.runs()) {
+          lo = lo < 0 ? run.global_begin : std::min(lo, run.global_begin);
+          hi = std::max(hi, run.global_begin + run.length);
+        }
+        if (lo < 0) continue;
+        t.source->safetensors->verify(*t.source->entry, lo * esz, hi * esz);
         result.stats.bytes_verified +=
-            covered_block_bytes(t.begin * esz, t.end * esz, t.source->entry->nbytes(), header.crc_block_bytes);
+            covered_block_bytes(lo * esz, hi * esz, t.source->entry->nbytes(), header.crc_block_bytes);
       }
     }
   } catch (const std::exception& e) {

@@ -226,7 +226,7 @@ std::vector<Held> held_parameters(const std::vector<ParameterPlacement>& placeme
 
 // The shape and options of a parameter's state tensors while sharded.
 std::vector<int64_t> state_shape(const ParameterPlacement& p) {
-  return p.sliced ? std::vector<int64_t>{p.local_numel} : p.global_shape;
+  return p.sliced ? std::vector<int64_t>{p.local_numel} : p.piece_shape;
 }
 
 at::TensorOptions state_options(const ParameterPlacement& p) {
@@ -316,7 +316,7 @@ ShardedStateDict sharded_optimizer_state_dict(const FSDPModule& root, torch::opt
         if (!f.defined()) f = at::zeros({p.local_numel}, state_options(p));
         local = f;
       }
-      state.emplace_back(state_key(p.fqn, name), LocalShard{local, p.global_shape, p.flat_offset, p.write});
+      state.emplace_back(state_key(p.fqn, name), LocalShard{local, p.global_shape, p.flat_offset, p.write, p.piece()});
     }
   }
   for (const auto& h : held) {
@@ -442,6 +442,10 @@ torch::OrderedDict<std::string, at::Tensor> full_optimizer_state_dict(const FSDP
   const auto& root_config = detail::state_of(root).config();
   const bool keep = !options.rank0_only() || writes_replicated(root);
   auto finish = [&](at::Tensor t) { return options.offload_to_cpu() ? t.cpu().clone() : t.clone(); };
+  // A tensor-parallel parameter's state is gathered over its TP group on every rank of it.
+  auto global_of = [](const ParameterPlacement& p, const at::Tensor& piece) {
+    return p.tp ? gather_global(piece, *p.tp) : piece;
+  };
   c10::NoGradGuard no_grad;
 
   // Full values per (parameter, state name).
@@ -454,9 +458,10 @@ torch::OrderedDict<std::string, at::Tensor> full_optimizer_state_dict(const FSDP
     if (p.handle == nullptr || !p.sliced) {
       for (const auto& name : state_names(kind, optim.param_groups()[h.group].options())) {
         const at::Tensor t = access.tensor(p.param, name);
-        values[{p.param.unsafeGetTensorImpl(), name}] =
-            keep ? finish(t.defined() ? t.reshape(p.global_shape) : at::zeros(p.global_shape, state_options(p)))
-                 : at::Tensor();
+        if (!keep && !p.tp) continue;
+        const at::Tensor full =
+            global_of(p, t.defined() ? t.reshape(p.piece_shape) : at::zeros(p.piece_shape, state_options(p)));
+        if (keep) values[{p.param.unsafeGetTensorImpl(), name}] = finish(full);
       }
       continue;
     }
@@ -489,10 +494,11 @@ torch::OrderedDict<std::string, at::Tensor> full_optimizer_state_dict(const FSDP
         }
         at::Tensor full = at::empty({layout.padded_numel}, shard.options());
         comm->all_gather_into_tensor(full, shard, "optimizer_state_dict").wait();
-        if (!keep) continue;
         for (const Held* h : it->second) {
+          if (!keep && !h->placement->tp) continue;
           const auto& e = layout.entries[h->placement->entry];
-          values[{h->placement->param.unsafeGetTensorImpl(), name}] = finish(full.narrow(0, e.offset, e.numel).view(e.shape));
+          const at::Tensor value = global_of(*h->placement, full.narrow(0, e.offset, e.numel).view(e.shape));
+          if (keep) values[{h->placement->param.unsafeGetTensorImpl(), name}] = finish(value);
         }
       }
     }
@@ -505,6 +511,7 @@ torch::OrderedDict<std::string, at::Tensor> full_optimizer_state_dict(const FSDP
     steps = at::tensor(local, at::kDouble).to(root_config.comm->device());
     root_config.comm->all_reduce(steps, c10d::ReduceOp::MAX, "optimizer_state_dict").wait();
     if (root_config.replicate) root_config.replicate->all_reduce(steps, c10d::ReduceOp::MAX).wait();
+    if (const auto tp = tensor_parallel_group(root.module())) tp->all_reduce(steps, c10d::ReduceOp::MAX).wait();
     steps = steps.cpu();
   }
   Dict state;
@@ -560,7 +567,7 @@ void load_full_optimizer_state_dict(const FSDPModule& root, torch::optim::Optimi
       groups.push_back(std::move(g));
     }
     for (const auto& name : names) {
-      ExpectedValue value{state_key(p.fqn, name), p.global_shape, dtype};
+      ExpectedValue value{state_key(p.fqn, name), p.global_shape, dtype, p.tp};
       if (p.handle == nullptr || !p.sliced) {
         LoadGroup g;
         g.values.push_back(std::move(value));

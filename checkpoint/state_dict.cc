@@ -1,12 +1,14 @@
 #include "checkpoint/state_dict.h"
 
 #include <unordered_map>
+#include <unordered_set>
 
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
 #include "checkpoint/state_dict_support.h"
+#include "composable/tensor_placement.h"
 #include "fsdp/unit_tree.h"
 
 namespace fsdp {
@@ -14,7 +16,7 @@ namespace fsdp {
 ShardedStateDict sharded_state_dict(const FSDPModule& root) {
   ShardedStateDict state;
   for (const auto& p : parameter_placements(root)) {
-    state.emplace_back(p.fqn, LocalShard{p.local(), p.global_shape, p.flat_offset, p.write});
+    state.emplace_back(p.fqn, LocalShard{p.local(), p.global_shape, p.flat_offset, p.write, p.piece()});
   }
   const bool writer = writes_replicated(root);
   for (const auto& item : root.module().named_buffers()) {
@@ -28,21 +30,41 @@ ShardedStateDict sharded_state_dict(const FSDPModule& root) {
 torch::OrderedDict<std::string, at::Tensor> full_state_dict(const FSDPModule& root,
                                                             const FullStateDictOptions& options) {
   const auto units = distinct_units_in_tree(root.module());
-  // Rank 0 of the world (with hybrid sharding, not the first rank of every shard group).
+  // World rank 0 (with hybrid sharding, not the first rank of every shard group; with tensor
+  // parallelism, rank 0 of the TP group too).
   const bool keep = !options.rank0_only() || writes_replicated(root);
-  std::unordered_map<const void*, at::Tensor> values;  // parameter -> full value
+  std::unordered_map<const void*, at::Tensor> values;  // parameter -> full (global) value
   c10::NoGradGuard no_grad;
+  // A tensor-parallel parameter's global value from this rank's piece: collective over its TP
+  // group, so every rank gathers (the ranks of a TP group share the model, hence the order).
+  auto global_of = [](const at::Tensor& param, const at::Tensor& piece) {
+    const auto placement = tensor_placement(param);
+    return placement && placement->sharded() ? gather_global(piece, *placement) : piece;
+  };
   for (const auto& unit : units) {
     for (const auto& h : unit->handles()) {
       // Full precision (the shards), even where the unsharded parameters are low-precision copies.
       const at::Tensor flat = h->gather_full_precision();
-      if (!keep) continue;
       for (size_t i = 0; i < h->params().size(); ++i) {
         const auto& e = h->layout().entries[i];
-        at::Tensor full = flat.narrow(0, e.offset, e.numel).view(e.shape);
-        values[h->params()[i].param.unsafeGetTensorImpl()] = options.offload_to_cpu() ? full.cpu().clone() : full.clone();
+        const at::Tensor& param = h->params()[i].param;
+        at::Tensor full = global_of(param, flat.narrow(0, e.offset, e.numel).view(e.shape));
+        if (!keep) continue;
+        values[param.unsafeGetTensorImpl()] = options.offload_to_cpu() ? full.cpu().clone() : full.clone();
       }
     }
+  }
+  // Tensor-parallel parameters in no unit, in named_parameters order (the same on every rank).
+  std::unordered_set<const void*> done;
+  for (const auto& unit : units) {
+    for (const auto& h : unit->handles()) {
+      for (const auto& info : h->params()) done.insert(info.param.unsafeGetTensorImpl());
+    }
+  }
+  for (const auto& item : root.module().named_parameters()) {
+    if (!done.insert(item.value().unsafeGetTensorImpl()).second || !tensor_placement(item.value())) continue;
+    at::Tensor full = global_of(item.value(), item.value().detach());
+    if (keep) values[item.value().unsafeGetTensorImpl()] = full.clone();
   }
   torch::OrderedDict<std::string, at::Tensor> state;
   if (!keep) return state;
@@ -68,7 +90,7 @@ void load_full_state_dict(const FSDPModule& root, const torch::OrderedDict<std::
   std::vector<ExpectedValue> aliases;
   std::unordered_map<const FlatParamHandle*, size_t> group_of;
   for (const auto& p : placements) {
-    ExpectedValue value{p.fqn, p.global_shape, p.param.scalar_type()};
+    ExpectedValue value{p.fqn, p.global_shape, p.param.scalar_type(), p.tp};
     if (p.alias) {
       aliases.push_back(std::move(value));
       continue;

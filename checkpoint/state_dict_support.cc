@@ -51,27 +51,39 @@ std::unordered_map<const void*, Place> places_of(const std::vector<FSDPState*>& 
 }
 
 
-// The root's communicator and, with hybrid sharding, its replicate group: together the world.
+// The root's communicator and, with hybrid sharding, its replicate group: together the
+// data-parallel world; with tensor parallelism also the TP group: together the world.
 struct WorldGroups {
   std::shared_ptr<comm::Communicator> shard;
   std::shared_ptr<comm::Communicator> replicate;  // null without hybrid sharding
+  std::shared_ptr<comm::Communicator> tp;         // null without tensor parallelism (or on one rank)
 
   explicit WorldGroups(const FSDPModule& root)
-      : shard(detail::state_of(root).config().comm), replicate(detail::state_of(root).config().replicate) {}
-  int world_rank() const { return shard->rank() + (replicate ? replicate->rank() * shard->size() : 0); }
-  int world_size() const { return shard->size() * (replicate ? replicate->size() : 1); }
+      : shard(detail::state_of(root).config().comm),
+        replicate(detail::state_of(root).config().replicate),
+        tp(tensor_parallel_group(root.module())) {}
+  /// The rank in the data-parallel world (0: the source of broadcasts within it).
+  int dp_rank() const { return shard->rank() + (replicate ? replicate->rank() * shard->size() : 0); }
+  int dp_size() const { return shard->size() * (replicate ? replicate->size() : 1); }
+  int world_rank() const { return dp_rank() * (tp ? tp->size() : 1) + (tp ? tp->rank() : 0); }
+  int world_size() const { return dp_size() * (tp ? tp->size() : 1); }
   at::Device device() const { return shard->device(); }
 
   void all_reduce_max(at::Tensor& t) const {
     shard->all_reduce(t, c10d::ReduceOp::MAX, "state_dict").wait();
     if (replicate) replicate->all_reduce(t, c10d::ReduceOp::MAX, "state_dict").wait();
+    if (tp) tp->all_reduce(t, c10d::ReduceOp::MAX, "state_dict").wait();
   }
-  // World rank 0 -> the first rank of every shard group -> every rank.
-  void broadcast_from_rank0(at::Tensor& t) const {
+  // Data-parallel rank 0 -> the first rank of every shard group -> every rank of the dp world.
+  void broadcast_over_dp(at::Tensor& t) const {
     if (replicate && shard->rank() == 0) replicate->broadcast(t, 0, "state_dict").wait();
     shard->broadcast(t, 0, "state_dict").wait();
   }
-  // The first non-empty string of all ranks (in world rank order), "" when all are empty.
+  // Over the TP group of data-parallel rank 0 (the ranks with dp_rank() == 0): from world rank 0.
+  void broadcast_over_tp_of_dp_rank0(at::Tensor& t) const {
+    if (tp && dp_rank() == 0) tp->broadcast(t, 0, "state_dict").wait();
+  }
+  // The first non-empty string of all ranks, "" when all are empty (the same on every rank).
   std::string first_non_empty(const std::string& local) const {
     auto pick = [](comm::Communicator& c, const std::string& mine) {
       const auto all = c.all_gather_bytes(std::vector<uint8_t>(mine.begin(), mine.end()), "state_dict");
@@ -82,9 +94,16 @@ struct WorldGroups {
     };
     std::string first = pick(*shard, local);
     if (replicate) first = pick(*replicate, first);
+    if (tp) first = pick(*tp, first);
     return first;
   }
 };
+
+// This rank's piece of a global value (the value itself without tensor parallelism).
+at::Tensor piece_of(const state_dict_detail::ExpectedValue& v, const at::Tensor& value) {
+  if (!v.tp) return value;
+  return v.tp->local_piece(value, v.tp->group->rank());
+}
 
 // Every rank learns whether any rank failed, and the first failing rank's message.
 std::string agree_on_error(const WorldGroups& world, const std::string& local_error) {
@@ -175,7 +194,30 @@ std::string validate(const std::vector<const state_dict_detail::ExpectedValue*>&
 
 }  // namespace
 
-bool writes_replicated(const FSDPModule& root) { return WorldGroups(root).world_rank() == 0; }
+std::shared_ptr<comm::Communicator> tensor_parallel_group(const torch::nn::Module& module) {
+  for (const auto& item : module.named_parameters()) {
+    const auto placement = tensor_placement(item.value());
+    if (placement && placement->group && placement->size() > 1) return placement->group;
+  }
+  return nullptr;
+}
+
+bool tensor_parallel_rank0(const torch::nn::Module& module) {
+  for (const auto& item : module.named_parameters()) {
+    const auto placement = tensor_placement(item.value());
+    if (placement && placement->group && placement->group->rank() != 0) return false;
+  }
+  return true;
+}
+
+bool writes_replicated(const FSDPModule& root) {
+  return WorldGroups(root).dp_rank() == 0 && tensor_parallel_rank0(root.module());
+}
+
+std::optional<TensorPiece> ParameterPlacement::piece() const {
+  if (!tp) return std::nullopt;
+  return TensorPiece{tp->dim, tp->global_ranges(tp->group->rank())};
+}
 
 std::string parameters_in_use(const FSDPModule& root) {
   const auto units = units_of(root);
@@ -227,6 +269,7 @@ at::Tensor ParameterPlacement::local() const {
 std::vector<ParameterPlacement> parameter_placements(const FSDPModule& root) {
   const auto places = places_of(units_of(root));
   const bool replicated_writer = writes_replicated(root);
+  const bool tp_rank0 = tensor_parallel_rank0(root.module());
   std::unordered_set<const void*> seen;
   std::vector<ParameterPlacement> placements;
   for (const auto& item : root.module().named_parameters()) {
@@ -236,7 +279,7 @@ std::vector<ParameterPlacement> parameter_placements(const FSDPModule& root) {
     p.alias = !seen.insert(p.param.unsafeGetTensorImpl()).second;
     const auto it = places.find(p.param.unsafeGetTensorImpl());
     if (it == places.end()) {
-      p.global_shape = p.param.sizes().vec();
+      p.piece_shape = p.param.sizes().vec();
       p.local_numel = p.param.numel();
       p.slice.param_end = p.local_numel;
       p.write = replicated_writer;
@@ -248,11 +291,23 @@ std::vector<ParameterPlacement> parameter_placements(const FSDPModule& root) {
       p.entry = place.index;
       p.sliced = place.handle->is_sharded_strategy();
       p.slice = place.handle->layout().slice_of(place.index, p.sliced ? config.comm->rank() : 0);
-      p.global_shape = place.handle->layout().entries[place.index].shape;
+      p.piece_shape = place.handle->layout().entries[place.index].shape;
       p.flat_offset = p.slice.param_begin;
       p.local_numel = p.slice.size();
       const bool first_replica = !config.replicate || config.replicate->rank() == 0;
+      // Values the TP group holds whole (everything but its sharded parameters): its rank 0 writes.
       p.write = p.sliced ? first_replica : first_replica && config.comm->rank() == 0;
+    }
+    p.global_shape = p.piece_shape;
+    if (auto placement = tensor_placement(p.param); placement && placement->sharded()) {
+      TORCH_CHECK(placement->local_shape() == p.piece_shape, "fsdp state dicts: tensor-parallel parameter '", p.fqn,
+                  "' (", placement->describe(), ") should hold a piece of shape ",
+                  contract::shape_string(placement->local_shape()), " but holds ",
+                  contract::shape_string(p.piece_shape));
+      p.global_shape = placement->global_shape;
+      p.tp = std::move(placement);
+    } else if (p.handle != nullptr && !tp_rank0) {
+      p.write = false;
     }
     placements.push_back(std::move(p));
   }
@@ -267,6 +322,7 @@ void load_full_groups(const FSDPModule& root, const std::string& api, const std:
                       const std::function<std::string(const Dict&)>& extra_check, bool replaces_parameters) {
   const WorldGroups world(root);
   const bool rank0 = world.world_rank() == 0;
+  const bool dp_rank0 = world.dp_rank() == 0;  // the TP group of world rank 0
   const bool from_rank0 = options.broadcast_from_rank0();
   std::vector<const ExpectedValue*> expected;
   for (const auto& g : groups) {
@@ -309,9 +365,18 @@ void load_full_groups(const FSDPModule& root, const std::string& api, const std:
     }
   }
 
-  // 3. Load, one group at a time.
+  // 3. Load, one group at a time. With tensor parallelism each value reaches the TP group of world
+  // rank 0 whole, each rank of it takes its piece, and the pieces travel over the dp world.
   c10::NoGradGuard no_grad;
   const auto on_device = at::TensorOptions().device(world.device());
+  // World rank 0's value of `v` on every rank of its TP group (the others get an undefined tensor).
+  auto value_on_tp_of_rank0 = [&](const ExpectedValue& v) -> at::Tensor {
+    if (!dp_rank0) return {};
+    at::Tensor value = rank0 ? state.find(v.key)->to(world.device(), v.dtype).contiguous().clone()
+                             : at::empty(v.shape, on_device.dtype(v.dtype));
+    if (value.numel() > 0) world.broadcast_over_tp_of_dp_rank0(value);
+    return value;
+  };
   for (const auto& g : groups) {
     if (g.handle != nullptr) {
       const FlatParamLayout& layout = g.handle->layout();
@@ -319,36 +384,32 @@ void load_full_groups(const FSDPModule& root, const std::string& api, const std:
       at::Tensor flat;
       if (from_rank0) {
         flat = at::zeros({layout.padded_numel}, on_device.dtype(g.values.front().dtype));
-        if (rank0) {
+        if (dp_rank0) {
           for (size_t i = 0; i < g.values.size(); ++i) {
             const auto& e = layout.entries[g.entries[i]];
-            flat.narrow(0, e.offset, e.numel).copy_(state.find(g.values[i].key)->reshape({-1}));
+            const at::Tensor value = piece_of(g.values[i], value_on_tp_of_rank0(g.values[i]));
+            flat.narrow(0, e.offset, e.numel).copy_(value.reshape({-1}));
           }
         }
-        world.broadcast_from_rank0(flat);
+        world.broadcast_over_dp(flat);
       }
       for (size_t i = 0; i < g.values.size(); ++i) {
         const ShardSlice slice = layout.slice_of(g.entries[i], shard_rank);
         if (from_rank0) {
           g.sink(i, flat.narrow(0, layout.entries[g.entries[i]].offset + slice.param_begin, slice.size()));
         } else {
-          const at::Tensor& value = *state.find(g.values[i].key);
+          const at::Tensor value = piece_of(g.values[i], *state.find(g.values[i].key));
           g.sink(i, value.reshape({-1}).narrow(0, slice.param_begin, slice.size()).to(g.values[i].dtype));
         }
       }
     } else {
       const ExpectedValue& v = g.values.front();
       if (from_rank0) {
-        at::Tensor value;
-        if (rank0) {
-          value = state.find(v.key)->to(world.device(), v.dtype).contiguous().clone();
-        } else {
-          value = at::empty(v.shape, on_device.dtype(v.dtype));
-        }
-        if (value.numel() > 0) world.broadcast_from_rank0(value);
-        g.sink(0, value);
+        at::Tensor value = dp_rank0 ? value_on_tp_of_rank0(v) : at::empty(v.shape, on_device.dtype(v.dtype));
+        if (value.numel() > 0) world.broadcast_over_dp(value);
+        g.sink(0, piece_of(v, value));
       } else {
-        g.sink(0, state.find(v.key)->to(v.dtype));
+        g.sink(0, piece_of(v, *state.find(v.key)).to(v.dtype));
       }
     }
   }

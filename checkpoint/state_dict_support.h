@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,7 @@
 
 #include "checkpoint/state_dict.h"
 #include "composable/fully_shard.h"
+#include "composable/tensor_placement.h"
 #include "fsdp/flat_param_layout.h"
 #include "fsdp/fsdp_state.h"
 
@@ -33,7 +35,14 @@ struct ParameterPlacement {
   ShardSlice slice;
   /// Whether the parameter is held as a 1-D slice while sharded (false: whole, in its own shape).
   bool sliced = false;
+  /// The value's shape in state dicts and checkpoints: the global shape of a tensor-parallel
+  /// parameter, else the parameter's shape.
   std::vector<int64_t> global_shape;
+  /// The shape of the tensor this rank's FSDP layout holds: this rank's tensor-parallel piece, or
+  /// global_shape. `slice`, `flat_offset` and `local_numel` index its flattened elements.
+  std::vector<int64_t> piece_shape;
+  /// A parameter sharded by tensor parallelism (parallelize_module): its placement.
+  std::optional<TensorPlacement> tp;
   int64_t flat_offset = 0;
   int64_t local_numel = 0;
   bool write = true;
@@ -42,13 +51,32 @@ struct ParameterPlacement {
 
   /// 1-D view of this rank's live elements (of the local shard, or of the parameter itself).
   at::Tensor local() const;
+  /// The global ranges of this rank's tensor-parallel piece (see [Note: tensor-parallel pieces]).
+  std::optional<TensorPiece> piece() const;
 };
+
+/// [Note: tensor parallelism in state dicts] A tensor-parallel model (parallelize_module before
+/// fully_shard) holds a piece of each sharded parameter per rank of its TP group, and whole copies
+/// of everything else on every rank of it. State dicts and checkpoints hold GLOBAL values: full
+/// state dicts gather over the TP group after the FSDP gather (every rank of it takes part), loads
+/// take this rank's piece of each global value, and sharded state dicts describe pieces in global
+/// coordinates (LocalShard::piece). Values every rank of the TP group holds whole are written by
+/// its rank 0 only. Every rank decides from the model alone, which all ranks share: the TP groups
+/// are those of the parameters' placements (composable/tensor_placement.h).
+
+/// The tensor-parallel group of `module`'s parameters (the first placement's group of more than
+/// one rank, in named_parameters order), or null.
+std::shared_ptr<comm::Communicator> tensor_parallel_group(const torch::nn::Module& module);
+/// Whether this rank is rank 0 of every tensor-parallel group of `module`'s parameters (true
+/// without tensor parallelism).
+bool tensor_parallel_rank0(const torch::nn::Module& module);
 
 /// Every parameter of `root`'s module (named_parameters order, every FQN of a tied one).
 std::vector<ParameterPlacement> parameter_placements(const FSDPModule& root);
 
 /// Whether this rank writes values every rank holds whole: rank 0 of the root's communicator and,
-/// with hybrid sharding, of its replicate group (world rank 0).
+/// with hybrid sharding, of its replicate group, and with tensor parallelism of the TP group
+/// (world rank 0).
 bool writes_replicated(const FSDPModule& root);
 
 /// Why the values of `root`'s parameters cannot be replaced now ("" when they can), naming the
@@ -67,8 +95,11 @@ namespace state_dict_detail {
 /// One value of a full state dict that a load expects.
 struct ExpectedValue {
   std::string key;
-  std::vector<int64_t> shape;
+  std::vector<int64_t> shape;  // global
   c10::ScalarType dtype = c10::ScalarType::Float;
+  /// Set for a tensor-parallel parameter (or its optimizer state): the sinks receive this rank's
+  /// piece of the value (their elements index the piece).
+  std::optional<TensorPlacement> tp;
 };
 
 /// Values loaded together: the entries of one FlatParameter (`handle` set: `entries[i]` is the
