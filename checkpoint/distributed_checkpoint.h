@@ -1,7 +1,9 @@
 #pragma once
 // Distributed checkpoints of a fully_shard model (and its optimizer): every rank writes its own
 // shards into safetensors files of one folder, at once, and a checkpoint saved on N ranks loads on
-// any number of ranks, with any sharding strategy, with or without mixed precision.
+// any number of ranks, with any sharding strategy, with or without mixed precision, and with or
+// without tensor parallelism (a checkpoint holds global tensors: saved at one (dp, tp) mesh, it
+// loads at any other, and a model whose global shapes differ is refused, naming the key).
 //
 //   fsdp::dcp::Extra extra;
 //   extra.values["step"] = std::to_string(step);
@@ -15,7 +17,9 @@
 // save_distributed=True), so Python's `dcp.load(sd, storage_reader=HuggingFaceStorageReader(dir))`
 // reads it:
 //   - each rank splits each of its LocalShards (checkpoint/local_shard.h) that it writes into
-//     boxes (storage/boxes.h); box j of a key goes to the rank's file j,
+//     boxes (storage/boxes.h) of the GLOBAL tensor (a tensor-parallel piece intersected with the
+//     rank's FSDP range: one box or more per block of the piece, see [Note: tensor-parallel
+//     pieces]); box j of a key goes to the rank's file j,
 //     `shard-<rank+1>-model-<j+1>-of-<n>.safetensors` (5 digits each; n = the rank's largest
 //     number of boxes of one key), so a key appears at most once per file;
 //   - each file's `__metadata__` holds "DCP_SHARDING_INFO" = {key: {"saved_offsets": [...]}}

@@ -7,7 +7,9 @@
 //   // result.stats.bytes_read: the tensor bytes this rank read, about its shard's bytes
 //
 // Each rank reads, with pread at offsets taken from the file's header, only the elements its own
-// shards hold (one contiguous byte range per parameter slice) and writes them into the existing
+// shards hold (one contiguous byte range per parameter slice; with tensor parallelism the file
+// holds global values and a rank reads its TP piece's part of its FSDP slice, one range per
+// contiguous run of the global tensor) and writes them into the existing
 // local shards (FlatParamHandle::local_shard(): full precision, on the host with CPU offload; a
 // mixed precision compute copy is refilled from it at every unshard). Values every rank holds
 // whole are read whole by every rank: parameters of NO_SHARD and one-rank units, parameters in no

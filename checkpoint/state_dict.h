@@ -17,6 +17,15 @@
 //   fsdp::ShardedStateDict sd = fsdp::sharded_state_dict(root);
 //   for (auto& [key, shard] : sd) shard.local.copy_(read(key, shard.flat_offset, shard.local.numel()));
 //
+// Tensor parallelism (parallelize_module before fully_shard): every dict holds GLOBAL values and
+// shapes. full_state_dict gathers each tensor-parallel parameter over its TP group after the FSDP
+// gather (every rank of the group takes part, also with rank0_only, which keeps the values on
+// world rank 0 only: rank 0 of the dp world and of the TP group); loads take this rank's piece of
+// each global value; sharded dicts describe the pieces in global coordinates (LocalShard::piece),
+// values the TP group holds whole written by its rank 0. So a checkpoint saved at one (dp, tp)
+// loads at any other, on pure fully_shard, and into an unsharded model. See [Note: tensor
+// parallelism in state dicts] in checkpoint/state_dict_support.h.
+//
 // Tied parameters: LibTorch's named_parameters() lists a tensor registered by several modules
 // under each of its FQNs, and so does every state dict here: each FQN is a key with the full value
 // (full dicts) or the same shard (sharded dicts, the same view and the same `write` flags, so a

@@ -8,6 +8,7 @@
 // checkpoint/state_dict_support.h.
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
 #include <torch/optim/adamw.h>
 
 #include "checkpoint/distributed_checkpoint.h"
@@ -246,6 +248,20 @@ FSDP_RANKS_TEST_CASE("TP dcp: saved at one (dp, tp), resumes at every (dp', tp')
       fsdp::dcp::Extra extra;
       extra.values["step"] = "2";
       fsdp::dcp::save(dir, run.root(), run.opt.get(), extra, fsdp::dcp::SaveOptions().communicator(fresh_comm()));
+    }
+    // The manifest holds global shapes; the fused qkv weight's pieces are boxes of its 3 blocks
+    // (each element written once: the save checks the counts).
+    {
+      std::ifstream in(dir + "/" + fsdp::dcp::kManifestName);
+      const auto manifest = nlohmann::json::parse(in);
+      bool found = false;
+      for (const auto& record : manifest.at("keys")) {
+        if (record.at(0) != "blocks.0.attn.qkv.weight" && record.at(0) != "state.blocks.0.attn.qkv.weight.exp_avg") continue;
+        found = true;
+        CHECK(record.at(2).get<std::vector<int64_t>>() == std::vector<int64_t>{72, 24});
+        CHECK(record.at(3).size() >= static_cast<size_t>(tp > 1 ? 3 * tp : 1));
+      }
+      CHECK(found);
     }
     // Layouts to resume at: every mesh, then (dp2 = 0) an unsharded model on every rank.
     std::vector<std::pair<int, int>> loads = meshes;
