@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <exception>
 #include <map>
+#include <numeric>
 #include <stdexcept>
 #include <set>
 #include <sstream>
@@ -100,6 +101,9 @@ constexpr const char* kUsage =
                          (fsdp::parallelize_module, examples/gpt_tensor_parallel.h), and
                          fully_shard shards the pieces over the np / N ranks of a dp group. The
                          ranks of one tp group train on the same batch
+  --vocab-divisible-by N the vocabulary is padded to a multiple of N and of --tp (default 1; as
+                         Megatron's --make-vocab-size-divisible-by). Checkpoints move between tp
+                         sizes when every run pads to the same size (e.g. 4 for --tp 1, 2 and 4)
   --sequence-parallel    with --tp: LayerNorms and the residual stream split along the sequence
   --loss-parallel        with --tp: the loss on vocabulary-parallel logits, never gathered
   --checkpoint-activations
@@ -128,6 +132,7 @@ struct Flags {
   bool checkpoint_activations = false;
   bool meta_init = false;
   int64_t tp = 1;
+  int64_t vocab_divisible_by = 1;
   bool sequence_parallel = false;
   bool loss_parallel = false;
   std::string init_from;
@@ -228,6 +233,7 @@ Flags parse_flags(int argc, char** argv) {
     else if (name == "--seed") f.seed = static_cast<uint64_t>(parse_int(name, value, 0));
     else if (name == "--threads") f.threads = parse_int(name, value, 1);
     else if (name == "--tp") f.tp = parse_int(name, value, 1);
+    else if (name == "--vocab-divisible-by") f.vocab_divisible_by = parse_int(name, value, 1);
     else if (name == "--check-unsharded") f.check_unsharded = parse_int(name, value, 0) != 0;
     else if (name == "--save") f.save_dir = value;
     else if (name == "--export") f.export_dir = value;
@@ -246,11 +252,6 @@ Flags parse_flags(int argc, char** argv) {
   }
   if ((f.sequence_parallel || f.loss_parallel) && f.tp == 1) {
     throw std::invalid_argument("--sequence-parallel and --loss-parallel need --tp larger than 1");
-  }
-  if (f.tp > 1 && (f.meta_init || !f.init_from.empty() || !f.save_dir.empty() || !f.resume_dir.empty() ||
-                   !f.export_dir.empty())) {
-    throw std::invalid_argument("--tp does not combine with --meta-init, --init-from, --save, --resume or "
-                                "--export yet (checkpoints of tensor-parallel models are not supported yet)");
   }
   if (f.d_model % f.heads != 0) {
     throw std::invalid_argument("--d-model (" + std::to_string(f.d_model) +
@@ -453,9 +454,11 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
   fsdp::comm::Communicator metrics(comm.backend(), device);
 
   const auto corpus = fsdp::examples::CharCorpus::embedded();
-  // With --tp the vocabulary is padded to a multiple of the tp size (as Megatron pads it): the
-  // extra rows are never a target and only ever learn to be unlikely.
-  const int64_t vocab = (corpus.tokenizer().vocab_size() + f.tp - 1) / f.tp * f.tp;
+  // The vocabulary padded to a multiple of --vocab-divisible-by and of --tp (tensor parallelism
+  // splits it; Megatron pads the same way): the extra rows are never a target and only ever learn
+  // to be unlikely.
+  const int64_t multiple = std::lcm(f.vocab_divisible_by, f.tp);
+  const int64_t vocab = (corpus.tokenizer().vocab_size() + multiple - 1) / multiple * multiple;
   const GPTConfig config = GPTConfig(vocab)
                                .context_length(f.context)
                                .d_model(f.d_model)
