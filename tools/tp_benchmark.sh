@@ -46,6 +46,7 @@ mkdir -p "$outdir"
 log() { echo "[tp_benchmark] $*" >&2; }
 load1() { cut -d' ' -f1 /proc/loadavg; }
 
+# shellcheck source=tools/python_env.sh
 . tools/python_env.sh
 py="$FSDP_PYTHON"
 [ -x "$py" ] || { echo "tp_benchmark.sh: $py missing: run tools/setup.sh first" >&2; exit 1; }

@@ -197,7 +197,6 @@ class Run:
         self.F = F
 
     def step(self, i, timed):
-        import torch
         w = self.tokens[i % self.tokens.shape[0]]
         t = w.shape[1] - 1
         c0 = time.process_time()
