@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -29,6 +30,7 @@
 #include "composable/tensor_placement.h"
 #include "examples/gpt_model.h"
 #include "examples/gpt_tensor_parallel.h"
+#include "tests/composable/tp_gpt.h"
 #include "tests/testing/multi_rank.h"
 
 namespace {
@@ -39,33 +41,18 @@ using fsdp::testing::world;
 using fsdp::testing::world_size;
 using Dict = torch::OrderedDict<std::string, at::Tensor>;
 
-constexpr int64_t kVocab = 24;    // divisible by 1, 2, 3, 4
-constexpr int64_t kContext = 12;  // divisible by 1, 2, 3, 4 (sequence parallelism)
 constexpr double kLr = 3e-3;
 
 std::shared_ptr<fsdp::comm::Communicator> fresh_comm() {
   return std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU);
 }
 
-// The (dp, tp) meshes of the world.
-std::vector<std::pair<int, int>> meshes_of_world() {
-  std::vector<std::pair<int, int>> out;
-  for (int tp = 1; tp <= world_size(); ++tp) {
-    if (world_size() % tp == 0) out.emplace_back(world_size() / tp, tp);
-  }
-  return out;
-}
-
-at::Tensor tokens(int64_t step, int q, int salt) {
-  auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(7000 * salt + 50 * step + q));
-  return at::randint(kVocab, {2, kContext}, gen);
-}
-
-fsdp::examples::GPT make_gpt(int64_t vocab = kVocab, uint64_t seed = 42) {
-  torch::manual_seed(seed);
-  return fsdp::examples::GPT(
-      fsdp::examples::GPTConfig(vocab).context_length(kContext).d_model(24).n_heads(12).n_layers(2));
-}
+using fsdp::testing::tp::comparable;
+using fsdp::testing::tp::kContext;
+using fsdp::testing::tp::kVocab;
+using fsdp::testing::tp::make_gpt;
+using fsdp::testing::tp::meshes_of_world;
+using fsdp::testing::tp::tokens;
 
 torch::optim::AdamWOptions adamw() { return torch::optim::AdamWOptions(kLr).weight_decay(0.01); }
 
@@ -118,8 +105,7 @@ double reference_step(fsdp::examples::GPT& model, torch::optim::AdamW& opt, int6
 }
 
 // Compares global values with the reference's parameters. The key bias (the middle third of
-// qkv.bias) has an exactly-zero gradient, whose rounding noise AdamW normalizes into steps no two
-// summation orders share: it is left out (as in tests/composable/tensor_parallel_test.cc).
+// qkv.bias) is left out (fsdp::testing::tp::comparable).
 void check_params(const Dict& mine, fsdp::examples::GPT& reference, double rtol = 1e-4, double atol = 1e-5) {
   const auto ref = reference->named_parameters();
   REQUIRE(mine.size() == ref.size());
@@ -128,11 +114,7 @@ void check_params(const Dict& mine, fsdp::examples::GPT& reference, double rtol 
     REQUIRE(mine.contains(item.key()));
     at::Tensor a = mine[item.key()].to(at::kFloat), b = item.value().detach();
     REQUIRE(a.sizes() == b.sizes());
-    if (item.key().find("qkv.bias") != std::string::npos) {
-      const int64_t d = a.numel() / 3;
-      a = at::cat({a.narrow(0, 0, d), a.narrow(0, 2 * d, d)});
-      b = at::cat({b.narrow(0, 0, d), b.narrow(0, 2 * d, d)});
-    }
+    std::tie(a, b) = comparable(item.key(), a, b);
     CHECK(at::allclose(a, b, rtol, atol));
   }
 }
