@@ -16,7 +16,24 @@ std::map<c10::DeviceType, BackendFactory>& registry() {
   return factories;
 }
 
+std::map<std::string, GroupSplitter>& splitters() {
+  static std::map<std::string, GroupSplitter> registered;
+  return registered;
+}
+
 }  // namespace
+
+bool register_group_splitter(const char* backend_name, GroupSplitter splitter) {
+  std::lock_guard<std::mutex> guard(registry_lock());
+  splitters()[backend_name] = splitter;
+  return true;
+}
+
+GroupSplitter find_group_splitter(const std::string& backend_name) {
+  std::lock_guard<std::mutex> guard(registry_lock());
+  const auto it = splitters().find(backend_name);
+  return it == splitters().end() ? nullptr : it->second;
+}
 
 bool register_backend_factory(c10::DeviceType type, const char* /*name*/, BackendFactory factory) {
   std::lock_guard<std::mutex> guard(registry_lock());

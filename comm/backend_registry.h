@@ -31,4 +31,19 @@ bool register_backend_factory(c10::DeviceType type, const char* name, BackendFac
 /// The factory registered for `type`, or nullptr.
 BackendFactory find_backend_factory(c10::DeviceType type);
 
+/// Makes the group of `parent`'s ranks that pass the same `color`: collective over `parent`'s ranks
+/// (every rank calls it, in the same order, with its color), `key` this rank's rank in the new
+/// group, `size` the group's size, `label` a name for the group (its rendezvous keys and
+/// messages). For backends that cannot split themselves (MpiBackend::split can); DeviceMesh uses
+/// it for every other backend.
+using GroupSplitter = c10::intrusive_ptr<c10d::Backend> (*)(const c10::intrusive_ptr<c10d::Backend>& parent,
+                                                             int color, int key, int size,
+                                                             const std::string& label);
+
+/// Registers `splitter` for backends whose getBackendName() is `backend_name` (static initialisers).
+bool register_group_splitter(const char* backend_name, GroupSplitter splitter);
+
+/// The splitter registered for `backend_name`, or nullptr.
+GroupSplitter find_group_splitter(const std::string& backend_name);
+
 }  // namespace fsdp::comm

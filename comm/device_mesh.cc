@@ -5,6 +5,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "comm/backend_registry.h"
 #include "comm/mpi_backend.h"
 
 namespace fsdp::comm {
@@ -22,14 +23,6 @@ std::string join(const std::vector<std::string>& values) {
   return out;
 }
 
-MpiBackend& mpi_of(const c10::intrusive_ptr<c10d::Backend>& backend, const char* api) {
-  auto* mpi = dynamic_cast<MpiBackend*>(backend.get());
-  TORCH_CHECK(mpi != nullptr, api, ": the ", backend->getBackendName(),
-              " backend cannot be split into groups yet; a device mesh (hybrid sharding, tensor "
-              "parallel groups) needs the MPI backend");
-  return *mpi;
-}
-
 // The ranks whose coordinates outside `dims` equal this rank's form one group, ranked row-major
 // over `dims`: color = row-major index over the other dimensions, key = index over `dims`.
 std::shared_ptr<Communicator> split_group(const c10::intrusive_ptr<c10d::Backend>& world,
@@ -38,13 +31,23 @@ std::shared_ptr<Communicator> split_group(const c10::intrusive_ptr<c10d::Backend
                                           const std::vector<int>& dims, const std::string& label,
                                           const char* api) {
   if (world->getSize() == 1) return std::make_shared<Communicator>(world, device);
-  MpiBackend& mpi = mpi_of(world, api);
-  int color = 0, key = 0;
+  int color = 0, key = 0, size = 1;
   for (int d = 0; d < static_cast<int>(sizes.size()); ++d) {
     if (std::find(dims.begin(), dims.end(), d) != dims.end()) continue;
     color = color * sizes[d] + coords[d];
   }
-  for (int d : dims) key = key * sizes[d] + coords[d];
+  for (int d : dims) {
+    key = key * sizes[d] + coords[d];
+    size *= sizes[d];
+  }
+  if (dynamic_cast<MpiBackend*>(world.get()) == nullptr) {
+    // Other backends (NCCL) make new groups through the splitter they registered.
+    GroupSplitter splitter = find_group_splitter(world->getBackendName());
+    TORCH_CHECK(splitter != nullptr, api, ": the ", world->getBackendName(), " backend cannot be split into "
+                "groups (no group splitter registered for it); a device mesh needs the MPI or NCCL backend");
+    return std::make_shared<Communicator>(splitter(world, color, key, size, label), device);
+  }
+  auto& mpi = static_cast<MpiBackend&>(*world);
   MpiBackend::Options options;
   options.timeout = mpi.timeout();
   options.name = mpi.name() + "/" + label + " group " + std::to_string(color);
@@ -74,7 +77,6 @@ std::shared_ptr<DeviceMesh> DeviceMesh::create(const Communicator& world, std::v
     TORCH_CHECK(seen.insert(n).second, "DeviceMesh::create: the dimension name '", n,
                 "' appears twice in [", join(names), "]");
   }
-  if (W > 1) mpi_of(world.backend(), "DeviceMesh::create");
 
   std::shared_ptr<DeviceMesh> mesh(new DeviceMesh());
   mesh->sizes_ = std::move(sizes);

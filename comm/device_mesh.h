@@ -18,9 +18,10 @@
 // size S on W ranks, rank r belongs to shard group r / S (ranks S*(r/S) .. S*(r/S)+S-1, typically
 // the ranks of one node) and to replicate group r % S (ranks r % S, r % S + S, ...).
 //
-// Creating a mesh, a flattened group and a submesh are collectives over the world (every rank calls
-// them in the same order). Groups are split from the world's backend: the MPI backend (split) only;
-// on NCCL a mesh needs new process groups, which are not built yet (a c10::Error says so).
+// Creating a mesh and a flattened group are collectives over the world (every rank calls them in
+// the same order). Groups are split from the world's backend: MpiBackend::split on MPI; on NCCL a
+// new ProcessGroupNCCL per group, rendezvousing through the world's store ([Note: NCCL groups] in
+// comm/nccl_backend.cc; compiled, not yet run on a GPU here); other backends are refused.
 
 #include <memory>
 #include <string>

@@ -4,11 +4,15 @@
 
 #include <atomic>
 #include <cstdio>
+#include <map>
+#include <mutex>
+#include <string>
 
 #include <cuda_runtime_api.h>
 
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -104,8 +108,58 @@ c10::intrusive_ptr<c10d::Backend> make_from_request(const LaunchInfo& launch,
   return make_nccl_backend(launch, request.device, request.timeout, request.eager_init);
 }
 
+// What a group of an NCCL world needs: the world's rendezvous store (each group rendezvous under
+// its own prefix), the timeout and the bound device. Keyed by the world backend.
+struct NcclWorld {
+  c10::intrusive_ptr<c10d::Store> store;
+  std::chrono::milliseconds timeout{0};
+  at::Device device{at::kCUDA};
+  bool eager_init = false;
+  int64_t splits = 0;  // groups made so far (the same count on every rank: splits are collective)
+};
+
+std::mutex& worlds_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+std::map<const c10d::Backend*, NcclWorld>& worlds() {
+  static auto* w = new std::map<const c10d::Backend*, NcclWorld>();  // never destroyed
+  return *w;
+}
+
+// [Note: NCCL groups] A new ProcessGroupNCCL per group, rendezvousing through the world's store
+// under "fsdp_group/<split number>/<label>/<color>/": ranks of one color meet there, other colors
+// elsewhere. Every rank of the world calls this in the same order (DeviceMesh creation is
+// collective), so the split number matches. The NCCL communicator itself is created at the
+// group's first collective (or now with eager init, on the world's device).
+c10::intrusive_ptr<c10d::Backend> split_nccl(const c10::intrusive_ptr<c10d::Backend>& parent, int color, int key,
+                                             int size, const std::string& label) {
+  NcclWorld world;
+  int64_t split = 0;
+  {
+    std::lock_guard<std::mutex> lock(worlds_mutex());
+    auto it = worlds().find(parent.get());
+    TORCH_CHECK(it != worlds().end(), "fsdp comm: this NCCL backend was not made by init_process_group "
+                "(make_nccl_backend), so its rendezvous store is unknown and it cannot be split into groups");
+    split = it->second.splits++;
+    world = it->second;
+  }
+  auto options = c10d::ProcessGroupNCCL::Options::create();
+  options->timeout = world.timeout;
+  auto store = c10::make_intrusive<c10d::PrefixStore>(
+      "fsdp_group/" + std::to_string(split) + "/" + label + "/" + std::to_string(color) + "/", world.store);
+  auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, key, size, options);
+  if (world.eager_init) {
+    group->setBoundDeviceId(world.device);
+    group->eagerConnectSingleDevice(world.device);
+  }
+  return group;
+}
+
 const bool g_registered =
-    register_backend_factory(c10::DeviceType::CUDA, "nccl", &make_from_request);
+    register_backend_factory(c10::DeviceType::CUDA, "nccl", &make_from_request) &&
+    register_group_splitter("nccl", &split_nccl);
 
 }  // namespace
 
@@ -131,6 +185,10 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const LaunchInfo& launch, at
   if (eager_init) {
     backend->setBoundDeviceId(bound);
     backend->eagerConnectSingleDevice(bound);
+  }
+  {
+    std::lock_guard<std::mutex> lock(worlds_mutex());
+    worlds()[backend.get()] = NcclWorld{store, timeout, bound, eager_init, 0};
   }
   return backend;
 }

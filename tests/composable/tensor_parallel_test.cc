@@ -52,13 +52,14 @@ struct TpCase {
   bool sequence_parallel = false;
   bool loss_parallel = false;
   bool activation_checkpointing = false;  // on every block, before fully_shard
+  bool offload_and_prefetch = false;      // CPU offload, forward prefetch, backward prefetch post
   std::optional<c10::ScalarType> param_dtype;  // bf16 mixed precision
 };
 
 void run_gpt_parity(int dp, int tp, const TpCase& c, int iterations = 3) {
   INFO("mesh (dp=" << dp << ", tp=" << tp << "), sequence parallel " << c.sequence_parallel << ", loss parallel "
                    << c.loss_parallel << ", bf16 " << c.param_dtype.has_value() << ", activation checkpointing "
-                   << c.activation_checkpointing);
+                   << c.activation_checkpointing << ", offload and prefetch " << c.offload_and_prefetch);
   auto mesh = fsdp::comm::DeviceMesh::create(world(), {dp, tp}, {"dp", "tp"});
   auto model = make_gpt();
   auto reference = make_gpt();
@@ -67,6 +68,9 @@ void run_gpt_parity(int dp, int tp, const TpCase& c, int iterations = 3) {
       fsdp::examples::GptTensorParallel().sequence_parallel(c.sequence_parallel).loss_parallel(c.loss_parallel));
   auto options = fsdp::FullyShardOptions().communicator(mesh->group("dp"));
   if (c.param_dtype) options.mixed_precision(fsdp::MixedPrecision().param_dtype(*c.param_dtype));
+  if (c.offload_and_prefetch) {
+    options.offload_to_cpu(true).forward_prefetch(true).backward_prefetch(fsdp::BackwardPrefetch::kBackwardPost);
+  }
   std::vector<fsdp::FSDPModule> units;
   for (auto& block : model->block_list()) {
     if (c.activation_checkpointing) fsdp::checkpoint_activations(block);
@@ -251,6 +255,12 @@ FSDP_RANKS_TEST_CASE("GPT: loss parallel alone, and bf16 mixed precision, on the
   const int tp = world_size(), dp = 1;
   run_gpt_parity(dp, tp, TpCase{.loss_parallel = true});
   run_gpt_parity(dp, tp, TpCase{.sequence_parallel = true, .param_dtype = at::kBFloat16});
+}
+
+FSDP_RANKS_TEST_CASE("GPT: CPU offload and forward/backward prefetch compose with TP", "[tp][gpt][offload]") {
+  const auto meshes = meshes_of_world();
+  const auto [dp, tp] = meshes.size() > 1 ? meshes[meshes.size() / 2] : meshes[0];
+  run_gpt_parity(dp, tp, TpCase{.sequence_parallel = tp > 1, .offload_and_prefetch = true});
 }
 
 FSDP_RANKS_TEST_CASE("GPT: activation checkpointing on every block composes with TP and SP", "[tp][gpt][ac]") {
