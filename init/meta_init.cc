@@ -3,6 +3,7 @@
 #include <memory>
 #include <mutex>
 #include <sstream>
+#include <atomic>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -233,12 +234,16 @@ void record_call(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch:
   if (recorded) ++reg.steps;
 }
 
+// The recording fallback's registration. Never destroyed: it must outlive every guard, including
+// ones in static destructors. Kept in a global (an atomic store the compiler keeps), so leak
+// checkers see it reachable.
+std::atomic<torch::Library*> g_record_library{nullptr};
+
 void register_fallback_once() {
   static const bool registered = [] {
-    // Never destroyed: the registration must outlive every guard, including ones in static
-    // destructors.
     auto* library = new torch::Library(torch::Library::IMPL, "_", kRecordKey, __FILE__, __LINE__);
     library->fallback(torch::CppFunction::makeFromBoxedFunction<&record_call>());
+    g_record_library.store(library);
     return true;
   }();
   (void)registered;

@@ -19,8 +19,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 # ASan+UBSan (CI's set, chosen to fit its time budget): the contract, engine-layout and storage unit
-# tests, the MPI backend on 1-4 ranks, the thread backend, and two multi-rank end-to-end tests:
-# training parity (the whole engine) and activation checkpointing. Also clean, left out for time:
+# tests, the MPI backend on 1-4 ranks, the thread backend, and three multi-rank end-to-end tests:
+# training parity (the whole engine), activation checkpointing, and tensor parallel x fully_shard
+# (autograd collectives, meta-device pieces, about 2 minutes). Also clean, left out for time:
 # //tests/composable:fully_shard_test, :replicate_test, //tests/checkpoint:state_dict_test,
 # :distributed_checkpoint_test and the rest of //tests/checkpoint/... (1-3 minutes each).
 # `tools/sanitize.sh asan -- //tests/... -//tests/python/... -//tests/gpu/...` runs every C++ test.
@@ -33,6 +34,7 @@ ASAN_TARGETS=(
   //tests/comm:launch_env_test
   //tests/composable:fully_shard_training_test
   //tests/composable:activation_checkpoint_test
+  //tests/composable:tensor_parallel_test
 )
 
 # TSan: the tests that run our own threads: the MPI progress thread (mpi_backend_test, and every
