@@ -16,6 +16,7 @@
 #include "contract/contract.h"
 #include "contract/forward_hooks.h"
 #include "contract/module_state.h"
+#include "contract/shape_text.h"
 #include "fsdp/fsdp_state.h"
 #include "init/meta_init.h"
 
@@ -23,12 +24,6 @@ namespace fsdp {
 namespace {
 
 constexpr const char* kApi = "parallelize_module";
-
-std::string shape_text(at::IntArrayRef shape) {
-  std::string out = "[";
-  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
-  return out + "]";
-}
 
 std::string style_name(const ParallelStyle& style) {
   switch (style.index()) {
@@ -104,7 +99,7 @@ std::vector<PlannedParam> plan_parameters(const Target& t, const ParallelStyle& 
     placement.global_shape = p.sizes().vec();
     if (dim >= 0) {
       const int64_t size = p.size(dim);
-      TORCH_CHECK(size % (chunks * n) == 0, where(t), " (", type_name(*t.module), " ", shape_text(p.sizes()),
+      TORCH_CHECK(size % (chunks * n) == 0, where(t), " (", type_name(*t.module), " ", contract::shape_string(p.sizes()),
                   "): ", style_name(style), " splits ", what, " (dimension ", dim, " of size ", size,
                   chunks > 1 ? ", " + std::to_string(chunks) + " blocks of " + std::to_string(size / chunks) : std::string(),
                   ") over ", mesh_dim, "=", n, "; expected a multiple of ", chunks * n, ", found ", size);
@@ -399,11 +394,11 @@ void parallelize_module(torch::nn::Module& module, const std::shared_ptr<comm::C
     }
     for (const auto& planned : params[fqn]) {
       TORCH_CHECK(!planned.param.is_meta() || has_recorded_init(planned.param), where(t),
-                  ": a meta-device parameter of shape ", shape_text(planned.param.sizes()), " whose values "
+                  ": a meta-device parameter of shape ", contract::shape_string(planned.param.sizes()), " whose values "
                   "were not recorded (build the model under fsdp::MetaInitGuard)");
       TORCH_CHECK(!tensor_placement(planned.param), where(t), ": a parameter is already placed by an earlier "
                   "parallelize_module (tied to another parallelized module?)");
-      fingerprint += shape_text(planned.param.sizes()) + planned.placement.describe() + ";";
+      fingerprint += contract::shape_string(planned.param.sizes()) + planned.placement.describe() + ";";
     }
   }
   check_same_on_group(fingerprint, *group);

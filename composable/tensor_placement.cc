@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "contract/shape_text.h"
+
 namespace fsdp {
 namespace {
 
@@ -22,12 +24,6 @@ struct Table {
 Table& table() {
   static Table* t = new Table();  // never destroyed: parameters may outlive static destruction
   return *t;
-}
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string out = "[";
-  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
-  return out + "]";
 }
 
 }  // namespace
@@ -72,7 +68,7 @@ at::Tensor TensorPlacement::assemble(const std::vector<at::Tensor>& pieces) cons
 }
 
 std::string TensorPlacement::describe() const {
-  std::string over = " over " + mesh_dim + "=" + std::to_string(size()) + ", global " + shape_text(global_shape);
+  std::string over = " over " + mesh_dim + "=" + std::to_string(size()) + ", global " + contract::shape_string(global_shape);
   if (!sharded()) return "Replicate" + over;
   return "Shard(" + std::to_string(dim) + (chunks > 1 ? ", " + std::to_string(chunks) + " blocks" : "") + ")" + over;
 }
