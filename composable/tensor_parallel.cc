@@ -170,20 +170,6 @@ at::Tensor first_tensor(const contract::ForwardArgs& args, const std::string& fq
   return args[0].toTensor();
 }
 
-// Sets a module member tensor to undefined for the duration of a call.
-class HiddenMember {
- public:
-  explicit HiddenMember(at::Tensor& member) : member_(member), saved_(member) { member_ = at::Tensor(); }
-  ~HiddenMember() { member_ = saved_; }
-  HiddenMember(const HiddenMember&) = delete;
-  HiddenMember& operator=(const HiddenMember&) = delete;
-  const at::Tensor& value() const { return saved_; }
-
- private:
-  at::Tensor& member_;
-  at::Tensor saved_;
-};
-
 // Replaces a module member tensor by a function of it for the duration of a call.
 class SwappedMember {
  public:
@@ -194,6 +180,8 @@ class SwappedMember {
   ~SwappedMember() { member_ = saved_; }
   SwappedMember(const SwappedMember&) = delete;
   SwappedMember& operator=(const SwappedMember&) = delete;
+  /// The member's own value (what the call does not see).
+  const at::Tensor& value() const { return saved_; }
 
  private:
   at::Tensor& member_;
@@ -231,7 +219,7 @@ contract::ForwardWrapper make_wrapper(const Target& t, const ParallelStyle& styl
       } else {
         auto& linear = dynamic_cast<torch::nn::LinearImpl&>(m);
         if (!s.input_layout().is_shard) local[0] = tp::split_to_tp(x, -1, group);
-        HiddenMember bias(linear.bias);  // added once, after the reduction
+        SwappedMember bias(linear.bias, [](const at::Tensor&) { return at::Tensor(); });  // added after the reduction
         out = forward(local).toTensor();
         out = s.output_layout().is_shard ? tp::reduce_scatter_tp(out, s.output_layout().dim, group)
                                          : tp::reduce_from_tp(out, group);
@@ -313,24 +301,11 @@ bool is_tensor_parallel(const torch::nn::Module& module) {
   return contract::ModuleStateRegistry::global().contains(module, kTensorParallelApi);
 }
 
-void parallelize_module(torch::nn::Module& module, const comm::DeviceMesh& mesh, const std::string& mesh_dim,
-                        const TensorParallelPlan& plan) {
-  const auto& group = mesh.group(mesh_dim);
-  // The placement names the mesh dimension: pass it through the group-taking overload's state.
-  TensorParallelPlan copy = plan;
-  parallelize_module(module, group, copy);
-  for (const auto& p : module.parameters()) {
-    if (auto placement = tensor_placement(p); placement && placement->group == group && placement->mesh_dim != mesh_dim) {
-      placement->mesh_dim = mesh_dim;
-      set_tensor_placement(p, *placement);
-    }
-  }
-}
+namespace {
 
-void parallelize_module(torch::nn::Module& module, const std::shared_ptr<comm::Communicator>& group,
-                        const TensorParallelPlan& plan) {
+void parallelize(torch::nn::Module& module, const std::shared_ptr<comm::Communicator>& group,
+                 const std::string& mesh_dim, const TensorParallelPlan& plan) {
   TORCH_CHECK(group != nullptr, kApi, ": no tensor-parallel group given");
-  const std::string mesh_dim = "tp";
   auto& registry = contract::ModuleStateRegistry::global();
 
   // 1. Refuse a model fully_shard already manages (parameters are flattened shards by then).
@@ -432,6 +407,18 @@ void parallelize_module(torch::nn::Module& module, const std::shared_ptr<comm::C
       return state;
     });
   }
+}
+
+}  // namespace
+
+void parallelize_module(torch::nn::Module& module, const std::shared_ptr<comm::Communicator>& group,
+                        const TensorParallelPlan& plan) {
+  parallelize(module, group, "tp", plan);
+}
+
+void parallelize_module(torch::nn::Module& module, const comm::DeviceMesh& mesh, const std::string& mesh_dim,
+                        const TensorParallelPlan& plan) {
+  parallelize(module, mesh.group(mesh_dim), mesh_dim, plan);
 }
 
 }  // namespace fsdp
