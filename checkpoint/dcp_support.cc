@@ -1,11 +1,11 @@
-#include "checkpoint/dcp_support.h"
+#include "dcp_support.h"
 
 #include <cstdio>
 #include <filesystem>
 
 #include <c10/util/Exception.h>
 
-#include "comm/init.h"
+#include "fsdp_cpp/comm/init.h"
 
 namespace fsdp::dcp::detail {
 

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "comm/communicator.h"
+#include "fsdp_cpp/comm/communicator.h"
 
 namespace fsdp::dcp::detail {
 

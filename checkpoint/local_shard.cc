@@ -1,4 +1,4 @@
-#include "checkpoint/local_shard.h"
+#include "fsdp_cpp/checkpoint/local_shard.h"
 
 #include <algorithm>
 

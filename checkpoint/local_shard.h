@@ -25,7 +25,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "storage/boxes.h"
+#include "fsdp_cpp/storage/boxes.h"
 
 namespace fsdp {
 

@@ -1,4 +1,4 @@
-#include "checkpoint/optimizer_state_dict.h"
+#include "fsdp_cpp/checkpoint/optimizer_state_dict.h"
 
 #include <algorithm>
 #include <cmath>
@@ -19,9 +19,9 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
-#include "checkpoint/state_dict_support.h"
-#include "composable/fully_shard_internal.h"
-#include "fsdp/unit_tree.h"
+#include "fsdp_cpp/checkpoint/state_dict_support.h"
+#include "fsdp_cpp/composable/fully_shard_internal.h"
+#include "fsdp_cpp/fsdp/unit_tree.h"
 
 namespace fsdp {
 namespace {

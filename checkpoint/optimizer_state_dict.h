@@ -29,9 +29,9 @@
 #include <torch/optim/optimizer.h>
 #include <torch/ordered_dict.h>
 
-#include "checkpoint/local_shard.h"
-#include "checkpoint/state_dict.h"
-#include "composable/fully_shard.h"
+#include "fsdp_cpp/checkpoint/local_shard.h"
+#include "fsdp_cpp/checkpoint/state_dict.h"
+#include "fsdp_cpp/composable/fully_shard.h"
 
 namespace fsdp {
 

@@ -1,4 +1,4 @@
-#include "checkpoint/state_dict.h"
+#include "fsdp_cpp/checkpoint/state_dict.h"
 
 #include <unordered_map>
 #include <unordered_set>
@@ -7,9 +7,9 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
-#include "checkpoint/state_dict_support.h"
-#include "composable/tensor_placement.h"
-#include "fsdp/unit_tree.h"
+#include "fsdp_cpp/checkpoint/state_dict_support.h"
+#include "fsdp_cpp/composable/tensor_placement.h"
+#include "fsdp_cpp/fsdp/unit_tree.h"
 
 namespace fsdp {
 

@@ -1,4 +1,4 @@
-#include "checkpoint/state_dict_support.h"
+#include "fsdp_cpp/checkpoint/state_dict_support.h"
 
 #include <algorithm>
 #include <unordered_map>
@@ -14,11 +14,11 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
-#include "composable/fully_shard_internal.h"
-#include "contract/module_state.h"
-#include "contract/shape_text.h"
-#include "fsdp/root_context.h"
-#include "fsdp/unit_tree.h"
+#include "fsdp_cpp/composable/fully_shard_internal.h"
+#include "fsdp_cpp/contract/module_state.h"
+#include "fsdp_cpp/contract/shape_text.h"
+#include "fsdp_cpp/fsdp/root_context.h"
+#include "fsdp_cpp/fsdp/unit_tree.h"
 
 namespace fsdp {
 namespace {

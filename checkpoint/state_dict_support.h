@@ -14,11 +14,11 @@
 #include <ATen/core/Tensor.h>
 #include <torch/ordered_dict.h>
 
-#include "checkpoint/state_dict.h"
-#include "composable/fully_shard.h"
-#include "composable/tensor_placement.h"
-#include "fsdp/flat_param_layout.h"
-#include "fsdp/fsdp_state.h"
+#include "fsdp_cpp/checkpoint/state_dict.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/composable/tensor_placement.h"
+#include "fsdp_cpp/fsdp/flat_param_layout.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"
 
 namespace fsdp {
 

@@ -1,4 +1,4 @@
-#include "comm/backend_registry.h"
+#include "fsdp_cpp/comm/backend_registry.h"
 
 #include <map>
 #include <mutex>

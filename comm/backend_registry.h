@@ -8,8 +8,8 @@
 #include <c10/core/Device.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include "comm/collective_timeout.h"
-#include "comm/launch_env.h"
+#include "fsdp_cpp/comm/collective_timeout.h"
+#include "fsdp_cpp/comm/launch_env.h"
 
 namespace fsdp::comm {
 

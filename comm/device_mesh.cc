@@ -1,12 +1,12 @@
-#include "comm/device_mesh.h"
+#include "fsdp_cpp/comm/device_mesh.h"
 
 #include <algorithm>
 #include <set>
 
 #include <c10/util/Exception.h>
 
-#include "comm/backend_registry.h"
-#include "comm/mpi_backend.h"
+#include "fsdp_cpp/comm/backend_registry.h"
+#include "fsdp_cpp/comm/mpi_backend.h"
 
 namespace fsdp::comm {
 namespace {

@@ -1,4 +1,4 @@
-#include "comm/init.h"
+#include "fsdp_cpp/comm/init.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -7,10 +7,10 @@
 #include <ATen/Context.h>
 #include <c10/util/Exception.h>
 
-#include "comm/backend_registry.h"
-#include "comm/collective_timeout.h"
-#include "comm/mpi_backend.h"
-#include "comm/mpi_runtime.h"
+#include "fsdp_cpp/comm/backend_registry.h"
+#include "fsdp_cpp/comm/collective_timeout.h"
+#include "fsdp_cpp/comm/mpi_backend.h"
+#include "fsdp_cpp/comm/mpi_runtime.h"
 
 namespace fsdp::comm {
 namespace {

@@ -20,8 +20,8 @@
 
 #include <c10/core/Device.h>
 
-#include "comm/communicator.h"
-#include "comm/launch_env.h"
+#include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/comm/launch_env.h"
 
 namespace fsdp::comm {
 

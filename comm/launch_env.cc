@@ -1,4 +1,4 @@
-#include "comm/launch_env.h"
+#include "fsdp_cpp/comm/launch_env.h"
 
 #include <cstdint>
 #include <cstdlib>

@@ -33,7 +33,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include "comm/collective_timeout.h"
+#include "fsdp_cpp/comm/collective_timeout.h"
 
 namespace fsdp::comm {
 

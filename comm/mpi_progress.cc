@@ -1,4 +1,4 @@
-#include "comm/mpi_progress.h"
+#include "fsdp_cpp/comm/mpi_progress.h"
 
 #include <algorithm>
 #include <atomic>
@@ -11,7 +11,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "comm/mpi_runtime.h"
+#include "fsdp_cpp/comm/mpi_runtime.h"
 
 namespace fsdp::comm::mpi {
 

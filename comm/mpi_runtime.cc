@@ -1,4 +1,4 @@
-#include "comm/mpi_runtime.h"
+#include "fsdp_cpp/comm/mpi_runtime.h"
 
 #include <mpi.h>
 

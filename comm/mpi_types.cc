@@ -1,4 +1,4 @@
-#include "comm/mpi_types.h"
+#include "fsdp_cpp/comm/mpi_types.h"
 
 #include <mutex>
 
@@ -6,7 +6,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
-#include "comm/mpi_runtime.h"
+#include "fsdp_cpp/comm/mpi_runtime.h"
 
 namespace fsdp::comm::mpi {
 namespace {

@@ -1,4 +1,4 @@
-#include "comm/nccl_backend.h"
+#include "fsdp_cpp/comm/nccl_backend.h"
 
 #include <unistd.h>
 
@@ -16,9 +16,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include "comm/backend_registry.h"
-#include "comm/communicator.h"
-#include "comm/mpi_backend.h"
+#include "fsdp_cpp/comm/backend_registry.h"
+#include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/comm/mpi_backend.h"
 
 namespace fsdp::comm {
 namespace {

@@ -1,4 +1,4 @@
-#include "composable/activation_checkpoint.h"
+#include "fsdp_cpp/composable/activation_checkpoint.h"
 
 #include <algorithm>
 #include <mutex>
@@ -17,10 +17,10 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/module.h>
 
-#include "contract/contract.h"
-#include "contract/forward_values.h"
-#include "contract/module_state.h"
-#include "contract/recompute_region.h"
+#include "fsdp_cpp/contract/contract.h"
+#include "fsdp_cpp/contract/forward_values.h"
+#include "fsdp_cpp/contract/module_state.h"
+#include "fsdp_cpp/contract/recompute_region.h"
 
 namespace fsdp {
 namespace {

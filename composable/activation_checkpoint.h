@@ -35,8 +35,8 @@
 #include <torch/arg.h>
 #include <torch/nn/pimpl.h>
 
-#include "composable/wrap_policy.h"
-#include "contract/forward_hooks.h"
+#include "fsdp_cpp/composable/wrap_policy.h"
+#include "fsdp_cpp/contract/forward_hooks.h"
 
 namespace torch::nn {
 class Module;

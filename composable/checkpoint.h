@@ -8,7 +8,7 @@
 
 #include <torch/nn/pimpl.h>
 
-#include "composable/activation_checkpoint.h"
+#include "fsdp_cpp/composable/activation_checkpoint.h"
 
 namespace fsdp {
 

@@ -1,6 +1,6 @@
-#include "composable/clip_grad_norm.h"
+#include "fsdp_cpp/composable/clip_grad_norm.h"
 
-#include "comm/issuing_api.h"
+#include "fsdp_cpp/comm/issuing_api.h"
 #include <cmath>
 #include <unordered_set>
 
@@ -9,9 +9,9 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
-#include "composable/fully_shard_internal.h"
-#include "composable/tensor_placement.h"
-#include "fsdp/unit_tree.h"
+#include "fsdp_cpp/composable/fully_shard_internal.h"
+#include "fsdp_cpp/composable/tensor_placement.h"
+#include "fsdp_cpp/fsdp/unit_tree.h"
 
 namespace fsdp {
 

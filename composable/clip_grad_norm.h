@@ -9,7 +9,7 @@
 
 #include <limits>
 
-#include "composable/fully_shard.h"
+#include "fsdp_cpp/composable/fully_shard.h"
 
 namespace fsdp {
 

@@ -1,2 +1,2 @@
 #pragma once
-#include "checkpoint/distributed_checkpoint.h"  // moved to checkpoint/distributed_checkpoint.h
+#include "fsdp_cpp/checkpoint/distributed_checkpoint.h"  // moved to checkpoint/distributed_checkpoint.h

@@ -1,2 +1,2 @@
 #pragma once
-#include "checkpoint/full_state_dict_files.h"  // moved to checkpoint/full_state_dict_files.h
+#include "fsdp_cpp/checkpoint/full_state_dict_files.h"  // moved to checkpoint/full_state_dict_files.h

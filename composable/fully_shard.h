@@ -31,9 +31,9 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/pimpl.h>
 
-#include "contract/forward_hooks.h"
-#include "fsdp/options.h"
-#include "init/meta_init.h"
+#include "fsdp_cpp/contract/forward_hooks.h"
+#include "fsdp_cpp/fsdp/options.h"
+#include "fsdp_cpp/init/meta_init.h"
 
 namespace fsdp {
 

@@ -8,8 +8,8 @@
 #include <memory>
 #include <vector>
 
-#include "composable/fully_shard.h"
-#include "fsdp/fsdp_state.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"
 
 namespace fsdp::detail {
 

@@ -18,9 +18,9 @@
 
 #include <torch/nn/pimpl.h>
 
-#include "composable/fully_shard.h"
-#include "composable/wrap_policy.h"
-#include "contract/forward_hooks.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/composable/wrap_policy.h"
+#include "fsdp_cpp/contract/forward_hooks.h"
 
 namespace fsdp {
 

@@ -1,2 +1,2 @@
 #pragma once
-#include "checkpoint/load_pretrained.h"  // moved to checkpoint/load_pretrained.h
+#include "fsdp_cpp/checkpoint/load_pretrained.h"  // moved to checkpoint/load_pretrained.h

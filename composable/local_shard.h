@@ -1,2 +1,2 @@
 #pragma once
-#include "checkpoint/local_shard.h"  // moved to checkpoint/local_shard.h
+#include "fsdp_cpp/checkpoint/local_shard.h"  // moved to checkpoint/local_shard.h

@@ -1,4 +1,4 @@
-#include "composable/loss_parallel.h"
+#include "fsdp_cpp/composable/loss_parallel.h"
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>

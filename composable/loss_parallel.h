@@ -12,7 +12,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "composable/tp_collectives.h"
+#include "fsdp_cpp/composable/tp_collectives.h"
 
 namespace fsdp::tp {
 

@@ -1,2 +1,2 @@
 #pragma once
-#include "checkpoint/optimizer_state_dict.h"  // moved to checkpoint/optimizer_state_dict.h
+#include "fsdp_cpp/checkpoint/optimizer_state_dict.h"  // moved to checkpoint/optimizer_state_dict.h

@@ -1,4 +1,4 @@
-#include "composable/plan.h"
+#include "fsdp_cpp/composable/plan.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -10,13 +10,13 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
-#include "composable/tensor_placement.h"
-#include "contract/module_fqn.h"
-#include "contract/module_state.h"
-#include "contract/shape_text.h"
-#include "fsdp/fsdp_state.h"
-#include "fsdp/tied_parameters.h"
-#include "fsdp/unit_tree.h"
+#include "fsdp_cpp/composable/tensor_placement.h"
+#include "fsdp_cpp/contract/module_fqn.h"
+#include "fsdp_cpp/contract/module_state.h"
+#include "fsdp_cpp/contract/shape_text.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"
+#include "fsdp_cpp/fsdp/tied_parameters.h"
+#include "fsdp_cpp/fsdp/unit_tree.h"
 
 namespace fsdp {
 namespace {

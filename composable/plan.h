@@ -53,7 +53,7 @@
 #include <c10/core/ScalarType.h>
 #include <torch/arg.h>
 
-#include "composable/fully_shard.h"
+#include "fsdp_cpp/composable/fully_shard.h"
 
 namespace torch::nn {
 class Module;

@@ -1,2 +1,2 @@
 #pragma once
-#include "checkpoint/state_dict.h"  // moved to checkpoint/state_dict.h
+#include "fsdp_cpp/checkpoint/state_dict.h"  // moved to checkpoint/state_dict.h

@@ -1,4 +1,4 @@
-#include "composable/summon_full_params.h"
+#include "fsdp_cpp/composable/summon_full_params.h"
 
 #include <algorithm>
 #include <exception>
@@ -12,10 +12,10 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
-#include "composable/fully_shard_internal.h"
-#include "fsdp/root_context.h"
-#include "fsdp/runtime.h"
-#include "fsdp/unit_tree.h"
+#include "fsdp_cpp/composable/fully_shard_internal.h"
+#include "fsdp_cpp/fsdp/root_context.h"
+#include "fsdp_cpp/fsdp/runtime.h"
+#include "fsdp_cpp/fsdp/unit_tree.h"
 
 namespace fsdp {
 namespace {

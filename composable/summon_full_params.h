@@ -33,7 +33,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
-#include "composable/fully_shard.h"
+#include "fsdp_cpp/composable/fully_shard.h"
 
 namespace torch::nn {
 class Module;

@@ -1,4 +1,4 @@
-#include "composable/tensor_placement.h"
+#include "fsdp_cpp/composable/tensor_placement.h"
 
 #include <mutex>
 #include <unordered_map>
@@ -6,7 +6,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include "contract/shape_text.h"
+#include "fsdp_cpp/contract/shape_text.h"
 
 namespace fsdp {
 namespace {

@@ -1,4 +1,4 @@
-#include "composable/tp_collectives.h"
+#include "fsdp_cpp/composable/tp_collectives.h"
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>

@@ -19,7 +19,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "comm/communicator.h"
+#include "fsdp_cpp/comm/communicator.h"
 
 namespace fsdp::tp {
 

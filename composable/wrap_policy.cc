@@ -1,4 +1,4 @@
-#include "composable/wrap_policy.h"
+#include "fsdp_cpp/composable/wrap_policy.h"
 
 #include <unordered_map>
 #include <unordered_set>
@@ -12,8 +12,8 @@
 #include <torch/nn/modules/container/parameterdict.h>
 #include <torch/nn/modules/container/parameterlist.h>
 
-#include "contract/hookable_module_list.h"
-#include "contract/module_fqn.h"
+#include "fsdp_cpp/contract/hookable_module_list.h"
+#include "fsdp_cpp/contract/module_fqn.h"
 
 namespace fsdp {
 namespace {

@@ -1,4 +1,4 @@
-#include "contract/any_hookable_module.h"
+#include "fsdp_cpp/contract/any_hookable_module.h"
 
 namespace fsdp::contract {
 

@@ -17,8 +17,8 @@
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/pimpl.h>
 
-#include "contract/forward_hooks.h"
-#include "contract/hookable_module_holder.h"
+#include "fsdp_cpp/contract/forward_hooks.h"
+#include "fsdp_cpp/contract/hookable_module_holder.h"
 
 namespace fsdp::contract {
 

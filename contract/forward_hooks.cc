@@ -1,4 +1,4 @@
-#include "contract/forward_hooks.h"
+#include "fsdp_cpp/contract/forward_hooks.h"
 
 #include <algorithm>
 #include <atomic>

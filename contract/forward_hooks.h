@@ -46,7 +46,7 @@
 #include <c10/util/FunctionRef.h>
 #include <c10/util/Type.h>
 
-#include "contract/forward_values.h"
+#include "fsdp_cpp/contract/forward_values.h"
 
 namespace torch::nn {
 class Module;

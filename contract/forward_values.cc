@@ -1,4 +1,4 @@
-#include "contract/forward_values.h"
+#include "fsdp_cpp/contract/forward_values.h"
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>

@@ -1,4 +1,4 @@
-#include "contract/fqn_snapshot.h"
+#include "fsdp_cpp/contract/fqn_snapshot.h"
 
 #include <algorithm>
 #include <sstream>

@@ -6,8 +6,8 @@
 
 #include <torch/nn/pimpl.h>
 
-#include "contract/forward_hooks.h"
-#include "contract/module_state.h"
+#include "fsdp_cpp/contract/forward_hooks.h"
+#include "fsdp_cpp/contract/module_state.h"
 
 namespace fsdp::contract {
 

@@ -1,4 +1,4 @@
-#include "contract/hookable_module_list.h"
+#include "fsdp_cpp/contract/hookable_module_list.h"
 
 namespace fsdp::contract {
 

@@ -15,7 +15,7 @@
 #include <torch/nn/cloneable.h>
 #include <torch/nn/pimpl.h>
 
-#include "contract/any_hookable_module.h"
+#include "fsdp_cpp/contract/any_hookable_module.h"
 
 namespace fsdp::contract {
 

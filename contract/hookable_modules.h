@@ -10,7 +10,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
-#include "contract/hookable_module_holder.h"
+#include "fsdp_cpp/contract/hookable_module_holder.h"
 
 namespace fsdp::contract {
 

@@ -1,4 +1,4 @@
-#include "contract/hookable_sequential.h"
+#include "fsdp_cpp/contract/hookable_sequential.h"
 
 namespace fsdp::contract {
 

@@ -15,9 +15,9 @@
 #include <torch/nn/cloneable.h>
 #include <torch/nn/pimpl.h>
 
-#include "contract/any_hookable_module.h"
-#include "contract/forward_hooks.h"
-#include "contract/hookable_module_holder.h"
+#include "fsdp_cpp/contract/any_hookable_module.h"
+#include "fsdp_cpp/contract/forward_hooks.h"
+#include "fsdp_cpp/contract/hookable_module_holder.h"
 
 namespace fsdp::contract {
 

@@ -1,4 +1,4 @@
-#include "contract/module_fqn.h"
+#include "fsdp_cpp/contract/module_fqn.h"
 
 #include <torch/nn/module.h>
 

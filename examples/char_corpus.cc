@@ -1,4 +1,4 @@
-#include "examples/char_corpus.h"
+#include "fsdp_cpp/examples/char_corpus.h"
 
 #include <algorithm>
 #include <array>

@@ -22,8 +22,8 @@
 
 #include <ATen/ATen.h>
 
-#include "comm/init.h"
-#include "comm/mpi_backend.h"
+#include "fsdp_cpp/comm/init.h"
+#include "fsdp_cpp/comm/mpi_backend.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-#include "examples/gpt_model.h"
+#include "fsdp_cpp/examples/gpt_model.h"
 
 #include <cmath>
 #include <utility>

@@ -36,9 +36,9 @@
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 
-#include "contract/hookable_module_holder.h"
-#include "contract/hookable_module_list.h"
-#include "contract/hookable_modules.h"
+#include "fsdp_cpp/contract/hookable_module_holder.h"
+#include "fsdp_cpp/contract/hookable_module_list.h"
+#include "fsdp_cpp/contract/hookable_modules.h"
 
 namespace fsdp::examples {
 

@@ -1,10 +1,10 @@
-#include "examples/gpt_tensor_parallel.h"
+#include "fsdp_cpp/examples/gpt_tensor_parallel.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include "composable/loss_parallel.h"
-#include "composable/tp_collectives.h"
+#include "fsdp_cpp/composable/loss_parallel.h"
+#include "fsdp_cpp/composable/tp_collectives.h"
 
 namespace fsdp::examples {
 

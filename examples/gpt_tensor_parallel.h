@@ -32,9 +32,9 @@
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
-#include "comm/communicator.h"
-#include "composable/tensor_parallel.h"
-#include "examples/gpt_model.h"
+#include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/composable/tensor_parallel.h"
+#include "fsdp_cpp/examples/gpt_model.h"
 
 namespace fsdp::examples {
 

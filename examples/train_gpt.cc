@@ -39,20 +39,20 @@
 #include <torch/optim/adamw.h>
 #include <torch/utils.h>
 
-#include "checkpoint/distributed_checkpoint.h"
-#include "checkpoint/full_state_dict_files.h"
-#include "checkpoint/load_pretrained.h"
-#include "checkpoint/state_dict.h"
-#include "comm/device_mesh.h"
-#include "comm/init.h"
-#include "composable/activation_checkpoint.h"
-#include "composable/fully_shard.h"
-#include "composable/fully_shard_tree.h"
-#include "composable/plan.h"
-#include "composable/wrap_policy.h"
-#include "examples/char_corpus.h"
-#include "examples/gpt_model.h"
-#include "examples/gpt_tensor_parallel.h"
+#include "fsdp_cpp/checkpoint/distributed_checkpoint.h"
+#include "fsdp_cpp/checkpoint/full_state_dict_files.h"
+#include "fsdp_cpp/checkpoint/load_pretrained.h"
+#include "fsdp_cpp/checkpoint/state_dict.h"
+#include "fsdp_cpp/comm/device_mesh.h"
+#include "fsdp_cpp/comm/init.h"
+#include "fsdp_cpp/composable/activation_checkpoint.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/composable/fully_shard_tree.h"
+#include "fsdp_cpp/composable/plan.h"
+#include "fsdp_cpp/composable/wrap_policy.h"
+#include "fsdp_cpp/examples/char_corpus.h"
+#include "fsdp_cpp/examples/gpt_model.h"
+#include "fsdp_cpp/examples/gpt_tensor_parallel.h"
 
 namespace {
 

@@ -1,5 +1,5 @@
-#include "fsdp/backward.h"
-#include "comm/issuing_api.h"
+#include "fsdp_cpp/fsdp/backward.h"
+#include "fsdp_cpp/comm/issuing_api.h"
 
 #include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
@@ -8,10 +8,10 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
 
-#include "fsdp/divergence.h"
-#include "fsdp/fsdp_state.h"
-#include "fsdp/post_backward_function.h"
-#include "fsdp/root_context.h"
+#include "fsdp_cpp/fsdp/divergence.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"
+#include "fsdp_cpp/fsdp/post_backward_function.h"
+#include "fsdp_cpp/fsdp/root_context.h"
 
 namespace fsdp::runtime {
 namespace {

@@ -22,7 +22,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 
-#include "contract/forward_values.h"
+#include "fsdp_cpp/contract/forward_values.h"
 
 namespace fsdp {
 

@@ -1,4 +1,4 @@
-#include "fsdp/backward_reduction_queue.h"
+#include "fsdp_cpp/fsdp/backward_reduction_queue.h"
 
 namespace fsdp {
 

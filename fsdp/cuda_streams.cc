@@ -11,7 +11,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "fsdp/device_streams.h"
+#include "fsdp_cpp/fsdp/device_streams.h"
 
 namespace fsdp {
 namespace {

@@ -1,4 +1,4 @@
-#include "fsdp/device_streams.h"
+#include "fsdp_cpp/fsdp/device_streams.h"
 
 #include <map>
 #include <mutex>

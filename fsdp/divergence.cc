@@ -1,4 +1,4 @@
-#include "fsdp/divergence.h"
+#include "fsdp_cpp/fsdp/divergence.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -9,7 +9,7 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
-#include "contract/shape_text.h"
+#include "fsdp_cpp/contract/shape_text.h"
 
 namespace fsdp {
 namespace {

@@ -27,8 +27,8 @@
 #include <utility>
 #include <vector>
 
-#include "comm/communicator.h"
-#include "fsdp/flat_param_handle.h"
+#include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/fsdp/flat_param_handle.h"
 
 namespace fsdp {
 

@@ -1,4 +1,4 @@
-#include "fsdp/divergence_check.h"
+#include "fsdp_cpp/fsdp/divergence_check.h"
 
 namespace fsdp {
 

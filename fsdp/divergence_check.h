@@ -11,8 +11,8 @@
 #include <cstdint>
 #include <memory>
 
-#include "comm/communicator.h"
-#include "fsdp/divergence.h"
+#include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/fsdp/divergence.h"
 
 namespace fsdp {
 

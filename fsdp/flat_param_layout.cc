@@ -1,4 +1,4 @@
-#include "fsdp/flat_param_layout.h"
+#include "fsdp_cpp/fsdp/flat_param_layout.h"
 
 #include <algorithm>
 

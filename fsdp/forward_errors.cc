@@ -1,4 +1,4 @@
-#include "fsdp/forward_errors.h"
+#include "fsdp_cpp/fsdp/forward_errors.h"
 
 #include <algorithm>
 #include <memory>
@@ -14,13 +14,13 @@
 #include <torch/nn/modules/container/parameterlist.h>
 #include <torch/nn/modules/container/sequential.h>
 
-#include "contract/forward_values.h"
-#include "contract/module_fqn.h"
-#include "contract/module_state.h"
-#include "contract/shape_text.h"
-#include "fsdp/fsdp_state.h"
-#include "fsdp/guard_support.h"
-#include "fsdp/root_context.h"
+#include "fsdp_cpp/contract/forward_values.h"
+#include "fsdp_cpp/contract/module_fqn.h"
+#include "fsdp_cpp/contract/module_state.h"
+#include "fsdp_cpp/contract/shape_text.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"
+#include "fsdp_cpp/fsdp/guard_support.h"
+#include "fsdp_cpp/fsdp/root_context.h"
 
 namespace fsdp {
 

@@ -1,12 +1,12 @@
-#include "fsdp/fsdp_state.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"
 
 #include <algorithm>
 
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
-#include "contract/module_state.h"
-#include "fsdp/root_context.h"
+#include "fsdp_cpp/contract/module_state.h"
+#include "fsdp_cpp/fsdp/root_context.h"
 
 namespace fsdp {
 

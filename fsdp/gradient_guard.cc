@@ -1,4 +1,4 @@
-#include "fsdp/gradient_guard.h"
+#include "fsdp_cpp/fsdp/gradient_guard.h"
 
 #include <algorithm>
 #include <atomic>
@@ -17,13 +17,13 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
-#include "contract/forward_values.h"
-#include "contract/module_fqn.h"
-#include "contract/module_state.h"
-#include "contract/shape_text.h"
-#include "fsdp/fsdp_state.h"
-#include "fsdp/guard_support.h"
-#include "fsdp/root_context.h"
+#include "fsdp_cpp/contract/forward_values.h"
+#include "fsdp_cpp/contract/module_fqn.h"
+#include "fsdp_cpp/contract/module_state.h"
+#include "fsdp_cpp/contract/shape_text.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"
+#include "fsdp_cpp/fsdp/guard_support.h"
+#include "fsdp_cpp/fsdp/root_context.h"
 
 namespace fsdp {
 

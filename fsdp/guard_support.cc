@@ -1,4 +1,4 @@
-#include "fsdp/guard_support.h"
+#include "fsdp_cpp/fsdp/guard_support.h"
 
 #include <algorithm>
 #include <sstream>
@@ -6,8 +6,8 @@
 
 #include <torch/nn/module.h>
 
-#include "fsdp/fsdp_state.h"
-#include "fsdp/root_context.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"
+#include "fsdp_cpp/fsdp/root_context.h"
 
 namespace fsdp::guard {
 

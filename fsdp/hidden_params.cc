@@ -1,4 +1,4 @@
-#include "fsdp/hidden_params.h"
+#include "fsdp_cpp/fsdp/hidden_params.h"
 
 #include <algorithm>
 

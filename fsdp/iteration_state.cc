@@ -1,4 +1,4 @@
-#include "fsdp/iteration_state.h"
+#include "fsdp_cpp/fsdp/iteration_state.h"
 
 #include <algorithm>
 

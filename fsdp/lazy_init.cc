@@ -1,4 +1,4 @@
-#include "fsdp/lazy_init.h"
+#include "fsdp_cpp/fsdp/lazy_init.h"
 
 #include <ATen/record_function.h>
 #include <algorithm>
@@ -6,12 +6,12 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
-#include "contract/module_fqn.h"
-#include "contract/module_state.h"
-#include "fsdp/fsdp_state.h"
-#include "fsdp/root_context.h"
-#include "fsdp/tied_parameters.h"
-#include "fsdp/unit_tree.h"
+#include "fsdp_cpp/contract/module_fqn.h"
+#include "fsdp_cpp/contract/module_state.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"
+#include "fsdp_cpp/fsdp/root_context.h"
+#include "fsdp_cpp/fsdp/tied_parameters.h"
+#include "fsdp_cpp/fsdp/unit_tree.h"
 
 namespace fsdp::runtime {
 namespace {

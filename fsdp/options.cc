@@ -1,4 +1,4 @@
-#include "fsdp/options.h"
+#include "fsdp_cpp/fsdp/options.h"
 
 namespace fsdp {
 

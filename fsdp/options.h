@@ -17,9 +17,9 @@
 #include <c10/core/ScalarType.h>
 #include <torch/arg.h>
 
-#include "comm/communicator.h"
-#include "comm/device_mesh.h"
-#include "init/meta_init.h"
+#include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/comm/device_mesh.h"
+#include "fsdp_cpp/init/meta_init.h"
 
 namespace torch::nn {
 class Module;

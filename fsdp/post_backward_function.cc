@@ -1,4 +1,4 @@
-#include "fsdp/post_backward_function.h"
+#include "fsdp_cpp/fsdp/post_backward_function.h"
 
 #include <cstdint>
 

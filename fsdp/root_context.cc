@@ -1,8 +1,8 @@
-#include "fsdp/root_context.h"
+#include "fsdp_cpp/fsdp/root_context.h"
 
 #include <algorithm>
 
-#include "fsdp/fsdp_state.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"
 
 namespace fsdp {
 namespace {

@@ -15,13 +15,13 @@
 #include <memory>
 #include <vector>
 
-#include "comm/communicator.h"
-#include "fsdp/backward_reduction_queue.h"
-#include "fsdp/divergence.h"
-#include "fsdp/divergence_check.h"
-#include "fsdp/iteration_state.h"
-#include "fsdp/set_aside_gradients.h"
-#include "fsdp/unshard_scheduler.h"
+#include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/fsdp/backward_reduction_queue.h"
+#include "fsdp_cpp/fsdp/divergence.h"
+#include "fsdp_cpp/fsdp/divergence_check.h"
+#include "fsdp_cpp/fsdp/iteration_state.h"
+#include "fsdp_cpp/fsdp/set_aside_gradients.h"
+#include "fsdp_cpp/fsdp/unshard_scheduler.h"
 
 namespace fsdp {
 

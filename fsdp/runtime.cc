@@ -1,5 +1,5 @@
-#include "fsdp/runtime.h"
-#include "comm/issuing_api.h"
+#include "fsdp_cpp/fsdp/runtime.h"
+#include "fsdp_cpp/comm/issuing_api.h"
 
 #include <ATen/record_function.h>
 #include <sstream>
@@ -7,15 +7,15 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
-#include "contract/forward_hooks.h"
-#include "contract/module_state.h"
-#include "contract/recompute_region.h"
-#include "fsdp/backward.h"
-#include "fsdp/divergence.h"
-#include "fsdp/fsdp_state.h"
-#include "fsdp/lazy_init.h"
-#include "fsdp/root_context.h"
-#include "fsdp/sharded_use_guard.h"
+#include "fsdp_cpp/contract/forward_hooks.h"
+#include "fsdp_cpp/contract/module_state.h"
+#include "fsdp_cpp/contract/recompute_region.h"
+#include "fsdp_cpp/fsdp/backward.h"
+#include "fsdp_cpp/fsdp/divergence.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"
+#include "fsdp_cpp/fsdp/lazy_init.h"
+#include "fsdp_cpp/fsdp/root_context.h"
+#include "fsdp_cpp/fsdp/sharded_use_guard.h"
 
 namespace fsdp::runtime {
 namespace {

@@ -12,7 +12,7 @@
 // unit. A root forward or backward that threw leaves the context for the next root forward to
 // clean up (fsdp/backward.h: discard_iteration).
 
-#include "contract/forward_values.h"
+#include "fsdp_cpp/contract/forward_values.h"
 
 namespace fsdp {
 

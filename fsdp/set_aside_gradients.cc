@@ -1,4 +1,4 @@
-#include "fsdp/set_aside_gradients.h"
+#include "fsdp_cpp/fsdp/set_aside_gradients.h"
 
 #include <c10/core/GradMode.h>
 

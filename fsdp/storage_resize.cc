@@ -1,4 +1,4 @@
-#include "fsdp/storage_resize.h"
+#include "fsdp_cpp/fsdp/storage_resize.h"
 
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>

@@ -1,4 +1,4 @@
-#include "fsdp/tied_parameters.h"
+#include "fsdp_cpp/fsdp/tied_parameters.h"
 
 #include <algorithm>
 #include <map>
@@ -9,10 +9,10 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
-#include "contract/module_fqn.h"
-#include "contract/module_state.h"
-#include "fsdp/fsdp_state.h"
-#include "fsdp/root_context.h"
+#include "fsdp_cpp/contract/module_fqn.h"
+#include "fsdp_cpp/contract/module_state.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"
+#include "fsdp_cpp/fsdp/root_context.h"
 
 namespace fsdp {
 namespace {

@@ -1,4 +1,4 @@
-#include "fsdp/unit_iteration.h"
+#include "fsdp_cpp/fsdp/unit_iteration.h"
 
 #include <algorithm>
 

@@ -1,11 +1,11 @@
-#include "fsdp/unit_tree.h"
+#include "fsdp_cpp/fsdp/unit_tree.h"
 
 #include <algorithm>
 
 #include <torch/nn/module.h>
 
-#include "contract/module_state.h"
-#include "fsdp/fsdp_state.h"
+#include "fsdp_cpp/contract/module_state.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"
 
 namespace fsdp {
 

@@ -1,8 +1,8 @@
-#include "fsdp/unshard_scheduler.h"
+#include "fsdp_cpp/fsdp/unshard_scheduler.h"
 
 #include <algorithm>
 
-#include "fsdp/fsdp_state.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"
 
 namespace fsdp {
 namespace {

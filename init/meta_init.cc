@@ -1,4 +1,4 @@
-#include "init/meta_init.h"
+#include "fsdp_cpp/init/meta_init.h"
 
 #include <memory>
 #include <mutex>
@@ -15,7 +15,7 @@
 #include <torch/library.h>
 #include <torch/nn/module.h>
 
-#include "contract/forward_hooks.h"
+#include "fsdp_cpp/contract/forward_hooks.h"
 
 namespace fsdp {
 namespace {

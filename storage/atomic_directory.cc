@@ -1,4 +1,4 @@
-#include "storage/atomic_directory.h"
+#include "fsdp_cpp/storage/atomic_directory.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

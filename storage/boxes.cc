@@ -1,4 +1,4 @@
-#include "storage/boxes.h"
+#include "fsdp_cpp/storage/boxes.h"
 
 #include <algorithm>
 

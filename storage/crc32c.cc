@@ -1,4 +1,4 @@
-#include "storage/crc32c.h"
+#include "fsdp_cpp/storage/crc32c.h"
 
 #include <array>
 #include <cstring>

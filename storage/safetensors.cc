@@ -1,4 +1,4 @@
-#include "storage/safetensors.h"
+#include "fsdp_cpp/storage/safetensors.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -19,7 +19,7 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
-#include "storage/crc32c.h"
+#include "fsdp_cpp/storage/crc32c.h"
 
 namespace fsdp::storage {
 namespace {

@@ -7,6 +7,8 @@ library's headers must compile as C++20 too, e.g.
 
     load("@fsdp_cpp//tools:build_defs.bzl", "FSDP_CXXOPTS")
 
+    # train.cc: #include "fsdp_cpp/composable/fully_shard.h"
+
     cc_binary(
         name = "train",
         srcs = ["train.cc"],
@@ -26,8 +28,24 @@ FSDP_COPTS = FSDP_CXXOPTS + [
     "-Wno-missing-field-initializers",
 ]
 
+# Every header of the project is included as "fsdp_cpp/<path in this repository>" (e.g.
+# "fsdp_cpp/composable/fully_shard.h"), inside the project as in the programs that use it. The
+# prefix keeps the project's generic top-level folders (comm/, init/, storage/, ...) from colliding
+# with a monorepo's own: without it, `#include "comm/init.h"` inside the library could resolve to
+# another workspace's comm/init.h, depending only on the order of the include paths. Bazel serves
+# the prefixed path from the declaring target's hdrs (bazel-bin/<package>/_virtual_includes/), so a
+# header is reachable only through a target that declares it.
+FSDP_INCLUDE_PREFIX = "fsdp_cpp"
+
 def fsdp_cc_library(name, copts = [], **kwargs):
-    native.cc_library(name = name, copts = FSDP_COPTS + copts, **kwargs)
+    # Bazel replaces the package path by include_prefix (the package is stripped when only the
+    # prefix is set), so the prefix names the package too.
+    native.cc_library(
+        name = name,
+        copts = FSDP_COPTS + copts,
+        include_prefix = FSDP_INCLUDE_PREFIX + "/" + native.package_name(),
+        **kwargs
+    )
 
 def fsdp_cc_binary(name, copts = [], **kwargs):
     native.cc_binary(name = name, copts = FSDP_COPTS + copts, **kwargs)

@@ -6,7 +6,10 @@ so a header that reaches a target only through a dependency of a dependency comp
 breaks when that dependency drops it. This check closes the gap: for every cc_library, cc_binary and
 cc_test of the workspace (one `bazel query`), each `#include "..."` of a project header in its srcs
 and hdrs must name a header of the target itself or of one of its direct deps (an alias counts as
-its actual target). Headers of other repositories (LibTorch, MPI, ...) are not checked.
+its actual target), and a declared header must be written with the project's prefix
+("fsdp_cpp/<path>", tools/build_defs.bzl): the unprefixed path still compiles inside this workspace
+(the workspace root is on the include path) but could name another workspace's header in a
+monorepo. Headers of other repositories (LibTorch, MPI, ...) are not checked.
 
     tools/check_layering.py [workspace root]     # default: this script's repository
 
@@ -27,6 +30,7 @@ import xml.etree.ElementTree as ElementTree
 _CC_KINDS = ("cc_library", "cc_binary", "cc_test")
 _FILE_ATTRS = ("srcs", "hdrs", "textual_hdrs")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
+_PREFIX = "fsdp_cpp/"
 
 
 def query_rules(root):
@@ -70,7 +74,7 @@ def resolve(label, rules):
 
 
 def included_headers(root, path):
-    """The quoted includes of a workspace file, as workspace-relative paths (None if not in it)."""
+    """The quoted includes of a workspace file that name a file of it: (as written, path, prefixed)."""
     try:
         with open(os.path.join(root, path), encoding="utf-8", errors="replace") as source:
             lines = source.readlines()
@@ -86,9 +90,11 @@ def included_headers(root, path):
         # workspace root).
         beside = os.path.normpath(os.path.join(os.path.dirname(path), name))
         if os.path.dirname(name) == "" and os.path.isfile(os.path.join(root, beside)):
-            found.append((name, beside))
+            found.append((name, beside, True))
+        elif name.startswith(_PREFIX) and os.path.isfile(os.path.join(root, name[len(_PREFIX):])):
+            found.append((name, os.path.normpath(name[len(_PREFIX):]), True))
         elif os.path.isfile(os.path.join(root, name)):
-            found.append((name, os.path.normpath(name)))
+            found.append((name, os.path.normpath(name), False))
     return found
 
 
@@ -111,11 +117,15 @@ def check(root):
         own.discard(None)
         direct = {resolve(dep, rules) for dep in attrs.get("deps", [])}
         for path in sorted(own):
-            for written, header in included_headers(root, path):
+            for written, header, prefixed in included_headers(root, path):
                 includes += 1
+                by = providers.get(header, [])
+                if by and not prefixed:
+                    violations.append('%s: %s includes "%s" (write "%s%s")' %
+                                      (label, path, written, _PREFIX, written))
+                    continue
                 if header in own:
                     continue
-                by = providers.get(header, [])
                 if any(provider in direct for provider in by):
                     continue
                 if by:

@@ -2,10 +2,10 @@
 
 #include <torch/torch.h>
 
-#include "comm/init.h"                      // fsdp::comm::init_process_group
-#include "composable/fully_shard.h"         // fsdp::fully_shard
-#include "contract/hookable_module_list.h"  // fsdp::contract::ModuleList
-#include "contract/hookable_modules.h"      // fsdp::contract::Linear, Embedding, LayerNorm, ...
+#include "fsdp_cpp/comm/init.h"                      // fsdp::comm::init_process_group
+#include "fsdp_cpp/composable/fully_shard.h"         // fsdp::fully_shard
+#include "fsdp_cpp/contract/hookable_module_list.h"  // fsdp::contract::ModuleList
+#include "fsdp_cpp/contract/hookable_modules.h"      // fsdp::contract::Linear, Embedding, LayerNorm, ...
 
 // 1. Opt module classes into forward hooks: one line, FSDP_HOOKABLE_MODULE instead of
 //    TORCH_MODULE; use the hook-able holders for LibTorch's modules (fsdp::contract::Linear,

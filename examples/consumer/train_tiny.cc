@@ -16,10 +16,10 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
-#include "comm/init.h"
-#include "composable/fully_shard.h"
-#include "contract/hookable_modules.h"
-#include "contract/hookable_sequential.h"
+#include "fsdp_cpp/comm/init.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/contract/hookable_modules.h"
+#include "fsdp_cpp/contract/hookable_sequential.h"
 
 namespace {
 

@@ -14,12 +14,12 @@
 
 #include <ATen/ATen.h>
 
-#include "checkpoint/distributed_checkpoint.h"
-#include "checkpoint/state_dict.h"
-#include "comm/communicator.h"
-#include "comm/mpi_backend.h"
-#include "composable/fully_shard.h"
-#include "tests/composable/test_models.h"
+#include "fsdp_cpp/checkpoint/distributed_checkpoint.h"
+#include "fsdp_cpp/checkpoint/state_dict.h"
+#include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/comm/mpi_backend.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/tests/composable/test_models.h"
 
 namespace {
 

@@ -16,12 +16,12 @@
 #include <torch/optim/adamw.h>
 #include <torch/torch.h>
 
-#include "checkpoint/distributed_checkpoint.h"
-#include "checkpoint/full_state_dict_files.h"
-#include "checkpoint/state_dict.h"
-#include "comm/init.h"
-#include "composable/fully_shard.h"
-#include "tests/checkpoint/interop_model.h"
+#include "fsdp_cpp/checkpoint/distributed_checkpoint.h"
+#include "fsdp_cpp/checkpoint/full_state_dict_files.h"
+#include "fsdp_cpp/checkpoint/state_dict.h"
+#include "fsdp_cpp/comm/init.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/tests/checkpoint/interop_model.h"
 
 namespace {
 

@@ -7,8 +7,8 @@
 #include <torch/nn/module.h>
 #include <torch/nn/functional/activation.h>
 
-#include "contract/hookable_module_holder.h"
-#include "contract/hookable_modules.h"
+#include "fsdp_cpp/contract/hookable_module_holder.h"
+#include "fsdp_cpp/contract/hookable_modules.h"
 
 namespace fsdp::testing {
 

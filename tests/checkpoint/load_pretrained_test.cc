@@ -16,15 +16,15 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional/loss.h>
 
-#include "checkpoint/full_state_dict_files.h"
-#include "checkpoint/load_pretrained.h"
-#include "checkpoint/state_dict.h"
-#include "comm/device_mesh.h"
-#include "composable/fully_shard_internal.h"
-#include "storage/safetensors.h"
-#include "tests/composable/parity.h"
-#include "tests/composable/tied_models.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/checkpoint/full_state_dict_files.h"
+#include "fsdp_cpp/checkpoint/load_pretrained.h"
+#include "fsdp_cpp/checkpoint/state_dict.h"
+#include "fsdp_cpp/comm/device_mesh.h"
+#include "fsdp_cpp/composable/fully_shard_internal.h"
+#include "fsdp_cpp/storage/safetensors.h"
+#include "fsdp_cpp/tests/composable/parity.h"
+#include "fsdp_cpp/tests/composable/tied_models.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
 

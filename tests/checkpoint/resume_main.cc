@@ -23,11 +23,11 @@
 #include <torch/optim/adamw.h>
 #include <torch/torch.h>
 
-#include "checkpoint/distributed_checkpoint.h"
-#include "checkpoint/state_dict.h"
-#include "comm/init.h"
-#include "composable/fully_shard.h"
-#include "tests/composable/test_models.h"
+#include "fsdp_cpp/checkpoint/distributed_checkpoint.h"
+#include "fsdp_cpp/checkpoint/state_dict.h"
+#include "fsdp_cpp/comm/init.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/tests/composable/test_models.h"
 
 namespace {
 

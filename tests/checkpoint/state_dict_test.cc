@@ -15,13 +15,13 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 
-#include "checkpoint/state_dict.h"
-#include "comm/device_mesh.h"
-#include "composable/fully_shard_internal.h"
-#include "tests/composable/parity.h"
-#include "tests/composable/test_models.h"
-#include "tests/composable/tied_models.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/checkpoint/state_dict.h"
+#include "fsdp_cpp/comm/device_mesh.h"
+#include "fsdp_cpp/composable/fully_shard_internal.h"
+#include "fsdp_cpp/tests/composable/parity.h"
+#include "fsdp_cpp/tests/composable/test_models.h"
+#include "fsdp_cpp/tests/composable/tied_models.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
 

@@ -20,18 +20,18 @@
 #include <nlohmann/json.hpp>
 #include <torch/optim/adamw.h>
 
-#include "checkpoint/distributed_checkpoint.h"
-#include "checkpoint/full_state_dict_files.h"
-#include "checkpoint/load_pretrained.h"
-#include "checkpoint/optimizer_state_dict.h"
-#include "checkpoint/state_dict.h"
-#include "comm/device_mesh.h"
-#include "composable/fully_shard.h"
-#include "composable/tensor_placement.h"
-#include "examples/gpt_model.h"
-#include "examples/gpt_tensor_parallel.h"
-#include "tests/composable/tp_gpt.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/checkpoint/distributed_checkpoint.h"
+#include "fsdp_cpp/checkpoint/full_state_dict_files.h"
+#include "fsdp_cpp/checkpoint/load_pretrained.h"
+#include "fsdp_cpp/checkpoint/optimizer_state_dict.h"
+#include "fsdp_cpp/checkpoint/state_dict.h"
+#include "fsdp_cpp/comm/device_mesh.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/composable/tensor_placement.h"
+#include "fsdp_cpp/examples/gpt_model.h"
+#include "fsdp_cpp/examples/gpt_tensor_parallel.h"
+#include "fsdp_cpp/tests/composable/tp_gpt.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
 

@@ -18,14 +18,14 @@
 #include <c10/core/GradMode.h>
 #include <torch/torch.h>
 
-#include "checkpoint/distributed_checkpoint.h"
-#include "checkpoint/full_state_dict_files.h"
-#include "checkpoint/state_dict.h"
-#include "comm/device_mesh.h"
-#include "comm/init.h"
-#include "composable/fully_shard.h"
-#include "examples/gpt_model.h"
-#include "examples/gpt_tensor_parallel.h"
+#include "fsdp_cpp/checkpoint/distributed_checkpoint.h"
+#include "fsdp_cpp/checkpoint/full_state_dict_files.h"
+#include "fsdp_cpp/checkpoint/state_dict.h"
+#include "fsdp_cpp/comm/device_mesh.h"
+#include "fsdp_cpp/comm/init.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/examples/gpt_model.h"
+#include "fsdp_cpp/examples/gpt_tensor_parallel.h"
 
 namespace {
 

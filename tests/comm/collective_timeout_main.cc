@@ -13,9 +13,9 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
 
-#include "comm/communicator.h"
-#include "comm/issuing_api.h"
-#include "comm/mpi_backend.h"
+#include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/comm/issuing_api.h"
+#include "fsdp_cpp/comm/mpi_backend.h"
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "skip";

@@ -7,8 +7,8 @@
 
 #include <ATen/ATen.h>
 
-#include "comm/init.h"
-#include "comm/mpi_runtime.h"
+#include "fsdp_cpp/comm/init.h"
+#include "fsdp_cpp/comm/mpi_runtime.h"
 
 namespace {
 

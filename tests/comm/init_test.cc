@@ -4,8 +4,8 @@
 
 #include <ATen/ATen.h>
 
-#include "comm/init.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/comm/init.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 FSDP_RANKS_TEST_CASE("init_process_group reads mpirun's variables and picks MPI for the CPU", "[comm][init]") {
   auto group = fsdp::comm::init_process_group();

@@ -15,10 +15,10 @@
 #include <torch/nn/module.h>
 #include <torch/utils.h>
 
-#include "checkpoint/distributed_checkpoint.h"
-#include "comm/init.h"
-#include "composable/fully_shard.h"
-#include "contract/hookable_modules.h"
+#include "fsdp_cpp/checkpoint/distributed_checkpoint.h"
+#include "fsdp_cpp/comm/init.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/contract/hookable_modules.h"
 
 namespace {
 

@@ -1,7 +1,7 @@
 // Reading rank, world size and local rank from torchrun's and mpirun's variables.
 #include <map>
 
-#include "comm/launch_env.h"
+#include "fsdp_cpp/comm/launch_env.h"
 
 // Last: LibTorch's c10/util/Logging.h defines its own CHECK, and the last definition wins.
 #include <catch2/catch.hpp>

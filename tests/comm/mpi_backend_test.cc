@@ -12,10 +12,10 @@
 
 #include <ATen/ATen.h>
 
-#include "comm/mpi_backend.h"
-#include "comm/mpi_progress.h"
-#include "comm/mpi_runtime.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/comm/mpi_backend.h"
+#include "fsdp_cpp/comm/mpi_progress.h"
+#include "fsdp_cpp/comm/mpi_runtime.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
 

@@ -11,8 +11,8 @@
 #include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
 
-#include "comm/issuing_api.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/comm/issuing_api.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
 

@@ -7,9 +7,9 @@
 #include <ATen/ATen.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 
-#include "comm/communicator.h"
-#include "comm/launch_env.h"
-#include "comm/nccl_backend.h"
+#include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/comm/launch_env.h"
+#include "fsdp_cpp/comm/nccl_backend.h"
 
 int main() {
   // Throws "without ATen_cuda library" unless libtorch_cuda really registered its CUDA hooks.

@@ -10,7 +10,7 @@
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include "comm/launch_env.h"
+#include "fsdp_cpp/comm/launch_env.h"
 
 // Last: LibTorch's c10/util/Logging.h defines its own CHECK, and the last definition wins.
 #include <catch2/catch.hpp>

@@ -2,7 +2,7 @@
 // with the explanation and exit status 1 on every rank, not abort() with a C++ trace.
 #include <cstdio>
 
-#include "comm/init.h"
+#include "fsdp_cpp/comm/init.h"
 
 int main() {
   auto pg = fsdp::comm::init_process_group();

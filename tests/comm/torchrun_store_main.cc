@@ -13,7 +13,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "comm/launch_env.h"
+#include "fsdp_cpp/comm/launch_env.h"
 
 namespace {
 

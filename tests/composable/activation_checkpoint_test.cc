@@ -13,15 +13,15 @@
 #include <torch/autograd.h>
 #include <torch/optim/sgd.h>
 
-#include "comm/communicator.h"
-#include "composable/activation_checkpoint.h"
-#include "composable/checkpoint.h"  // the old names, checked below
-#include "composable/fully_shard.h"
-#include "composable/replicate.h"
-#include "contract/hookable_modules.h"
-#include "tests/composable/parity.h"
-#include "tests/testing/multi_rank.h"
-#include "tools/bench/counting_allocator.h"
+#include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/composable/activation_checkpoint.h"
+#include "fsdp_cpp/composable/checkpoint.h"  // the old names, checked below
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/composable/replicate.h"
+#include "fsdp_cpp/contract/hookable_modules.h"
+#include "fsdp_cpp/tests/composable/parity.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
+#include "fsdp_cpp/tools/bench/counting_allocator.h"
 
 namespace {
 

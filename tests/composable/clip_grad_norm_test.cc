@@ -9,11 +9,11 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/utils/clip_grad.h>
 
-#include "composable/clip_grad_norm.h"
-#include "composable/fully_shard_internal.h"
-#include "tests/composable/parity.h"
-#include "tests/composable/test_models.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/composable/clip_grad_norm.h"
+#include "fsdp_cpp/composable/fully_shard_internal.h"
+#include "fsdp_cpp/tests/composable/parity.h"
+#include "fsdp_cpp/tests/composable/test_models.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
 

@@ -9,12 +9,12 @@
 #include <torch/nn/module.h>
 #include <torch/utils.h>
 
-#include "comm/communicator.h"
-#include "composable/fully_shard.h"
-#include "fsdp/divergence.h"
-#include "tests/composable/parity.h"
-#include "tests/composable/test_models.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/fsdp/divergence.h"
+#include "fsdp_cpp/tests/composable/parity.h"
+#include "fsdp_cpp/tests/composable/test_models.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 using Catch::Matchers::Contains;
 using fsdp::testing::error_of;

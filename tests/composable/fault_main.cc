@@ -17,10 +17,10 @@
 #include <torch/nn/module.h>
 #include <torch/utils.h>
 
-#include "comm/init.h"
-#include "composable/fully_shard.h"
-#include "contract/hookable_modules.h"
-#include "tests/composable/test_models.h"
+#include "fsdp_cpp/comm/init.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/contract/hookable_modules.h"
+#include "fsdp_cpp/tests/composable/test_models.h"
 
 namespace {
 

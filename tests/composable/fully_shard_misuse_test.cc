@@ -23,14 +23,14 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 
-#include "composable/fully_shard.h"
-#include "composable/fully_shard_internal.h"
-#include "contract/forward_hooks.h"
-#include "fsdp/root_context.h"
-#include "fsdp/gradient_guard.h"
-#include "tests/composable/parity.h"
-#include "tests/composable/test_models.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/composable/fully_shard_internal.h"
+#include "fsdp_cpp/contract/forward_hooks.h"
+#include "fsdp_cpp/fsdp/root_context.h"
+#include "fsdp_cpp/fsdp/gradient_guard.h"
+#include "fsdp_cpp/tests/composable/parity.h"
+#include "fsdp_cpp/tests/composable/test_models.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
 

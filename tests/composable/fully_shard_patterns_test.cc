@@ -19,12 +19,12 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/sgd.h>
 
-#include "composable/fully_shard.h"
-#include "composable/fully_shard_internal.h"
-#include "fsdp/root_context.h"
-#include "tests/composable/test_models.h"
-#include "tools/bench/counting_allocator.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/composable/fully_shard_internal.h"
+#include "fsdp_cpp/fsdp/root_context.h"
+#include "fsdp_cpp/tests/composable/test_models.h"
+#include "fsdp_cpp/tools/bench/counting_allocator.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
 

@@ -14,13 +14,13 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
-#include "composable/fully_shard.h"
-#include "composable/fully_shard_internal.h"
-#include "contract/hookable_modules.h"
-#include "fsdp/fsdp_state.h"
-#include "tests/composable/test_models.h"
-#include "tests/composable/tied_models.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/composable/fully_shard_internal.h"
+#include "fsdp_cpp/contract/hookable_modules.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"
+#include "fsdp_cpp/tests/composable/test_models.h"
+#include "fsdp_cpp/tests/composable/tied_models.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
 

@@ -2,10 +2,10 @@
 // tests/composable/parity.h for what is compared and checked.
 #include <torch/nn/functional/activation.h>
 
-#include "composable/fully_shard.h"
-#include "tests/composable/parity.h"
-#include "tests/composable/test_models.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/tests/composable/parity.h"
+#include "fsdp_cpp/tests/composable/test_models.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
 

@@ -12,15 +12,15 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
 
-#include "checkpoint/optimizer_state_dict.h"
-#include "checkpoint/state_dict.h"
-#include "composable/clip_grad_norm.h"
-#include "composable/fully_shard.h"
-#include "composable/fully_shard_internal.h"
-#include "composable/summon_full_params.h"
-#include "contract/module_state.h"
-#include "tests/composable/test_models.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/checkpoint/optimizer_state_dict.h"
+#include "fsdp_cpp/checkpoint/state_dict.h"
+#include "fsdp_cpp/composable/clip_grad_norm.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/composable/fully_shard_internal.h"
+#include "fsdp_cpp/composable/summon_full_params.h"
+#include "fsdp_cpp/contract/module_state.h"
+#include "fsdp_cpp/tests/composable/test_models.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
 

@@ -9,14 +9,14 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/torch.h>
 
-#include "checkpoint/state_dict.h"
-#include "comm/communicator.h"
-#include "composable/fully_shard.h"
-#include "composable/fully_shard_internal.h"
-#include "init/meta_init.h"
-#include "tests/composable/parity.h"
-#include "tests/composable/test_models.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/checkpoint/state_dict.h"
+#include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/composable/fully_shard_internal.h"
+#include "fsdp_cpp/init/meta_init.h"
+#include "fsdp_cpp/tests/composable/parity.h"
+#include "fsdp_cpp/tests/composable/test_models.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 #include <catch2/catch.hpp>
 

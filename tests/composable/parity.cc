@@ -1,4 +1,4 @@
-#include "tests/composable/parity.h"
+#include "fsdp_cpp/tests/composable/parity.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/functional/loss.h>
@@ -6,8 +6,8 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
-#include "composable/fully_shard_internal.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/composable/fully_shard_internal.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace fsdp::testing {
 namespace {

@@ -16,8 +16,8 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
-#include "composable/fully_shard.h"
-#include "tests/composable/test_models.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/tests/composable/test_models.h"
 
 namespace fsdp::testing {
 

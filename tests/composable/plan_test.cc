@@ -29,14 +29,14 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
-#include "comm/device_mesh.h"
-#include "composable/fully_shard.h"
-#include "composable/fully_shard_internal.h"
-#include "composable/plan.h"
-#include "examples/gpt_model.h"
-#include "tests/composable/test_models.h"
-#include "tools/bench/counting_allocator.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/comm/device_mesh.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/composable/fully_shard_internal.h"
+#include "fsdp_cpp/composable/plan.h"
+#include "fsdp_cpp/examples/gpt_model.h"
+#include "fsdp_cpp/tests/composable/test_models.h"
+#include "fsdp_cpp/tools/bench/counting_allocator.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
 

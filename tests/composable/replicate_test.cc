@@ -13,13 +13,13 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
-#include "composable/fully_shard.h"
-#include "composable/fully_shard_internal.h"
-#include "composable/replicate.h"
-#include "contract/forward_hooks.h"
-#include "contract/module_state.h"
-#include "tests/composable/test_models.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/composable/fully_shard_internal.h"
+#include "fsdp_cpp/composable/replicate.h"
+#include "fsdp_cpp/contract/forward_hooks.h"
+#include "fsdp_cpp/contract/module_state.h"
+#include "fsdp_cpp/tests/composable/test_models.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
 

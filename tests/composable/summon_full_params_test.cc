@@ -12,12 +12,12 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/sgd.h>
 
-#include "checkpoint/state_dict.h"
-#include "composable/fully_shard_internal.h"
-#include "composable/summon_full_params.h"
-#include "tests/composable/parity.h"
-#include "tests/composable/test_models.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/checkpoint/state_dict.h"
+#include "fsdp_cpp/composable/fully_shard_internal.h"
+#include "fsdp_cpp/composable/summon_full_params.h"
+#include "fsdp_cpp/tests/composable/parity.h"
+#include "fsdp_cpp/tests/composable/test_models.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
 

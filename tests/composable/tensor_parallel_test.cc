@@ -17,22 +17,22 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 
-#include "comm/device_mesh.h"
-#include "composable/activation_checkpoint.h"
-#include "composable/clip_grad_norm.h"
-#include "composable/fully_shard.h"
-#include "composable/loss_parallel.h"
-#include "composable/plan.h"
-#include "composable/tensor_parallel.h"
-#include "composable/tensor_placement.h"
-#include "composable/tp_collectives.h"
-#include "contract/hookable_module_holder.h"
-#include "contract/hookable_modules.h"
-#include "examples/gpt_model.h"
-#include "examples/gpt_tensor_parallel.h"
-#include "init/meta_init.h"
-#include "tests/composable/tp_gpt.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/comm/device_mesh.h"
+#include "fsdp_cpp/composable/activation_checkpoint.h"
+#include "fsdp_cpp/composable/clip_grad_norm.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/composable/loss_parallel.h"
+#include "fsdp_cpp/composable/plan.h"
+#include "fsdp_cpp/composable/tensor_parallel.h"
+#include "fsdp_cpp/composable/tensor_placement.h"
+#include "fsdp_cpp/composable/tp_collectives.h"
+#include "fsdp_cpp/contract/hookable_module_holder.h"
+#include "fsdp_cpp/contract/hookable_modules.h"
+#include "fsdp_cpp/examples/gpt_model.h"
+#include "fsdp_cpp/examples/gpt_tensor_parallel.h"
+#include "fsdp_cpp/init/meta_init.h"
+#include "fsdp_cpp/tests/composable/tp_gpt.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
 

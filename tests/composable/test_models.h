@@ -6,10 +6,10 @@
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/module.h>
 
-#include "contract/hookable_module_holder.h"
-#include "contract/hookable_module_list.h"
-#include "contract/hookable_modules.h"
-#include "contract/hookable_sequential.h"
+#include "fsdp_cpp/contract/hookable_module_holder.h"
+#include "fsdp_cpp/contract/hookable_module_list.h"
+#include "fsdp_cpp/contract/hookable_modules.h"
+#include "fsdp_cpp/contract/hookable_sequential.h"
 
 namespace fsdp::testing {
 

@@ -6,8 +6,8 @@
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/module.h>
 
-#include "contract/hookable_modules.h"
-#include "tests/composable/test_models.h"
+#include "fsdp_cpp/contract/hookable_modules.h"
+#include "fsdp_cpp/tests/composable/test_models.h"
 
 namespace fsdp::testing {
 

@@ -13,8 +13,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/utils.h>
 
-#include "examples/gpt_model.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/examples/gpt_model.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace fsdp::testing::tp {
 

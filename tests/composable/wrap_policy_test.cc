@@ -12,15 +12,15 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
 
-#include "composable/fully_shard.h"
-#include "composable/fully_shard_internal.h"
-#include "composable/fully_shard_tree.h"
-#include "composable/wrap_policy.h"
-#include "contract/module_state.h"
-#include "examples/gpt_model.h"
-#include "tests/composable/parity.h"
-#include "tests/composable/test_models.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/composable/fully_shard_internal.h"
+#include "fsdp_cpp/composable/fully_shard_tree.h"
+#include "fsdp_cpp/composable/wrap_policy.h"
+#include "fsdp_cpp/contract/module_state.h"
+#include "fsdp_cpp/examples/gpt_model.h"
+#include "fsdp_cpp/tests/composable/parity.h"
+#include "fsdp_cpp/tests/composable/test_models.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-#include "contract/contract.h"
+#include "fsdp_cpp/contract/contract.h"
 
 #include <stdexcept>
 #include <string>
@@ -6,9 +6,9 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 
-#include "contract/forward_hooks.h"
-#include "tests/contract/fixtures.h"
-#include "tests/testing/errors.h"
+#include "fsdp_cpp/contract/forward_hooks.h"
+#include "fsdp_cpp/tests/contract/fixtures.h"
+#include "fsdp_cpp/tests/testing/errors.h"
 
 // Catch2 last: c10/util/Logging.h defines a CHECK macro of its own, and the last definition wins.
 #include <catch2/catch.hpp>

@@ -8,7 +8,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
-#include "contract/forward_values.h"
+#include "fsdp_cpp/contract/forward_values.h"
 
 namespace fsdp::contract::fixtures {
 

@@ -1,4 +1,4 @@
-#include "contract/forward_hooks.h"
+#include "fsdp_cpp/contract/forward_hooks.h"
 
 #include <optional>
 #include <string>
@@ -9,8 +9,8 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
-#include "tests/contract/fixtures.h"
-#include "tests/testing/errors.h"
+#include "fsdp_cpp/tests/contract/fixtures.h"
+#include "fsdp_cpp/tests/testing/errors.h"
 
 // Catch2 last: c10/util/Logging.h defines a CHECK macro of its own, and the last definition wins.
 #include <catch2/catch.hpp>

@@ -1,4 +1,4 @@
-#include "contract/forward_values.h"
+#include "fsdp_cpp/contract/forward_values.h"
 
 #include <optional>
 #include <string>
@@ -8,7 +8,7 @@
 #include <ATen/core/Dict.h>
 #include <torch/types.h>
 
-#include "tests/testing/errors.h"
+#include "fsdp_cpp/tests/testing/errors.h"
 
 // Catch2 last: c10/util/Logging.h defines a CHECK macro of its own, and the last definition wins.
 #include <catch2/catch.hpp>

@@ -1,4 +1,4 @@
-#include "contract/fqn_snapshot.h"
+#include "fsdp_cpp/contract/fqn_snapshot.h"
 
 #include <string>
 #include <vector>
@@ -6,8 +6,8 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 
-#include "contract/module_fqn.h"
-#include "tests/testing/errors.h"
+#include "fsdp_cpp/contract/module_fqn.h"
+#include "fsdp_cpp/tests/testing/errors.h"
 
 // Catch2 last: c10/util/Logging.h defines a CHECK macro of its own, and the last definition wins.
 #include <catch2/catch.hpp>

@@ -1,11 +1,11 @@
-#include "contract/hookable_module_holder.h"
+#include "fsdp_cpp/contract/hookable_module_holder.h"
 
 #include <string>
 #include <vector>
 
 #include <torch/nn/module.h>
 
-#include "tests/contract/fixtures.h"
+#include "fsdp_cpp/tests/contract/fixtures.h"
 
 // Catch2 last: c10/util/Logging.h defines a CHECK macro of its own, and the last definition wins.
 #include <catch2/catch.hpp>

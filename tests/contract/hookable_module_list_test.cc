@@ -1,4 +1,4 @@
-#include "contract/hookable_module_list.h"
+#include "fsdp_cpp/contract/hookable_module_list.h"
 
 #include <string>
 #include <vector>
@@ -7,9 +7,9 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 
-#include "contract/hookable_modules.h"
-#include "tests/contract/fixtures.h"
-#include "tests/testing/errors.h"
+#include "fsdp_cpp/contract/hookable_modules.h"
+#include "fsdp_cpp/tests/contract/fixtures.h"
+#include "fsdp_cpp/tests/testing/errors.h"
 
 // Catch2 last: c10/util/Logging.h defines a CHECK macro of its own, and the last definition wins.
 #include <catch2/catch.hpp>

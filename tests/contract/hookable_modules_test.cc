@@ -1,4 +1,4 @@
-#include "contract/hookable_modules.h"
+#include "fsdp_cpp/contract/hookable_modules.h"
 
 #include <string>
 #include <vector>

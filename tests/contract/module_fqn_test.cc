@@ -1,10 +1,10 @@
-#include "contract/module_fqn.h"
+#include "fsdp_cpp/contract/module_fqn.h"
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/linear.h>
 
-#include "tests/contract/fixtures.h"
+#include "fsdp_cpp/tests/contract/fixtures.h"
 
 // Catch2 last: c10/util/Logging.h defines a CHECK macro of its own, and the last definition wins.
 #include <catch2/catch.hpp>

@@ -1,4 +1,4 @@
-#include "contract/module_state.h"
+#include "fsdp_cpp/contract/module_state.h"
 
 #include <functional>
 #include <string>
@@ -7,8 +7,8 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 
-#include "tests/contract/fixtures.h"
-#include "tests/testing/errors.h"
+#include "fsdp_cpp/tests/contract/fixtures.h"
+#include "fsdp_cpp/tests/testing/errors.h"
 
 // Catch2 last: c10/util/Logging.h defines a CHECK macro of its own, and the last definition wins.
 #include <catch2/catch.hpp>

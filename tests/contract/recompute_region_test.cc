@@ -1,4 +1,4 @@
-#include "contract/recompute_region.h"
+#include "fsdp_cpp/contract/recompute_region.h"
 
 #include <thread>
 

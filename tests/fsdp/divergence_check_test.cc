@@ -7,9 +7,9 @@
 
 #include <c10/util/Exception.h>
 
-#include "fsdp/divergence_check.h"
-#include "tests/fsdp/engine_units.h"
-#include "tests/testing/thread_backend.h"
+#include "fsdp_cpp/fsdp/divergence_check.h"
+#include "fsdp_cpp/tests/fsdp/engine_units.h"
+#include "fsdp_cpp/tests/testing/thread_backend.h"
 
 // Last: LibTorch's c10/util/Logging.h defines its own CHECK, and the last definition wins.
 #include <catch2/catch.hpp>

@@ -8,13 +8,13 @@
 
 #include <ATen/ATen.h>
 
-#include "fsdp/backward_reduction_queue.h"
-#include "fsdp/fsdp_state.h"
-#include "fsdp/hidden_params.h"
-#include "fsdp/iteration_state.h"
-#include "fsdp/root_context.h"
-#include "fsdp/set_aside_gradients.h"
-#include "tests/fsdp/engine_units.h"
+#include "fsdp_cpp/fsdp/backward_reduction_queue.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"
+#include "fsdp_cpp/fsdp/hidden_params.h"
+#include "fsdp_cpp/fsdp/iteration_state.h"
+#include "fsdp_cpp/fsdp/root_context.h"
+#include "fsdp_cpp/fsdp/set_aside_gradients.h"
+#include "fsdp_cpp/tests/fsdp/engine_units.h"
 
 // Last: LibTorch's c10/util/Logging.h defines its own CHECK, and the last definition wins.
 #include <catch2/catch.hpp>

@@ -11,8 +11,8 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
-#include "comm/communicator.h"
-#include "fsdp/fsdp_state.h"
+#include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"
 
 namespace fsdp::testing {
 

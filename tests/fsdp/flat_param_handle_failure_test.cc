@@ -9,7 +9,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
-#include "fsdp/flat_param_handle.h"
+#include "fsdp_cpp/fsdp/flat_param_handle.h"
 
 // Last: LibTorch's c10/util/Logging.h defines its own CHECK, and the last definition wins.
 #include <catch2/catch.hpp>

@@ -4,8 +4,8 @@
 
 #include <ATen/ATen.h>
 
-#include "fsdp/flat_param_handle.h"
-#include "tests/testing/thread_backend.h"
+#include "fsdp_cpp/fsdp/flat_param_handle.h"
+#include "fsdp_cpp/tests/testing/thread_backend.h"
 
 // Last: LibTorch's c10/util/Logging.h defines its own CHECK, and the last definition wins.
 #include <catch2/catch.hpp>

@@ -1,5 +1,5 @@
 // FlatParameter layout: exact numbers for alignment, padding and per-rank slices.
-#include "fsdp/flat_param_layout.h"
+#include "fsdp_cpp/fsdp/flat_param_layout.h"
 
 // Last: LibTorch's c10/util/Logging.h defines its own CHECK, and the last definition wins.
 #include <catch2/catch.hpp>

@@ -10,12 +10,12 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 
-#include "fsdp/forward_errors.h"
-#include "fsdp/guard_support.h"
-#include "fsdp/root_context.h"
-#include "fsdp/sharded_use_guard.h"
-#include "tests/fsdp/engine_units.h"
-#include "tests/testing/thread_backend.h"
+#include "fsdp_cpp/fsdp/forward_errors.h"
+#include "fsdp_cpp/fsdp/guard_support.h"
+#include "fsdp_cpp/fsdp/root_context.h"
+#include "fsdp_cpp/fsdp/sharded_use_guard.h"
+#include "fsdp_cpp/tests/fsdp/engine_units.h"
+#include "fsdp_cpp/tests/testing/thread_backend.h"
 
 // Last: LibTorch's c10/util/Logging.h defines its own CHECK, and the last definition wins.
 #include <catch2/catch.hpp>

@@ -8,12 +8,12 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include "contract/module_state.h"
-#include "fsdp/fsdp_state.h"
-#include "fsdp/root_context.h"
-#include "fsdp/tied_parameters.h"
-#include "tests/fsdp/engine_units.h"
-#include "tests/testing/thread_backend.h"
+#include "fsdp_cpp/contract/module_state.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"
+#include "fsdp_cpp/fsdp/root_context.h"
+#include "fsdp_cpp/fsdp/tied_parameters.h"
+#include "fsdp_cpp/tests/fsdp/engine_units.h"
+#include "fsdp_cpp/tests/testing/thread_backend.h"
 
 // Last: LibTorch's c10/util/Logging.h defines its own CHECK, and the last definition wins.
 #include <catch2/catch.hpp>

@@ -3,10 +3,10 @@
 // at the limit while explicit ones are not.
 #include <ATen/ATen.h>
 
-#include "fsdp/fsdp_state.h"
-#include "fsdp/unshard_scheduler.h"
-#include "tests/fsdp/engine_units.h"
-#include "tests/testing/thread_backend.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"
+#include "fsdp_cpp/fsdp/unshard_scheduler.h"
+#include "fsdp_cpp/tests/fsdp/engine_units.h"
+#include "fsdp_cpp/tests/testing/thread_backend.h"
 
 // Last: LibTorch's c10/util/Logging.h defines its own CHECK, and the last definition wins.
 #include <catch2/catch.hpp>

@@ -14,11 +14,11 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/optim/adamw.h>
 
-#include "comm/init.h"
-#include "comm/nccl_backend.h"
-#include "composable/fully_shard.h"
-#include "examples/gpt_model.h"
-#include "fsdp/device_streams.h"
+#include "fsdp_cpp/comm/init.h"
+#include "fsdp_cpp/comm/nccl_backend.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/examples/gpt_model.h"
+#include "fsdp_cpp/fsdp/device_streams.h"
 
 namespace {
 

@@ -37,11 +37,11 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/optim/adamw.h>
 
-#include "comm/communicator.h"
-#include "comm/nccl_backend.h"
-#include "composable/fully_shard.h"
-#include "examples/gpt_model.h"
-#include "fsdp/device_streams.h"
+#include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/comm/nccl_backend.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/examples/gpt_model.h"
+#include "fsdp_cpp/fsdp/device_streams.h"
 
 namespace {
 

@@ -13,11 +13,11 @@
 
 #include <torch/torch.h>
 
-#include "fsdp/device_streams.h"
-#include "fsdp/flat_param_handle.h"
-#include "composable/fully_shard.h"
-#include "tests/composable/test_models.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/fsdp/device_streams.h"
+#include "fsdp_cpp/fsdp/flat_param_handle.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/tests/composable/test_models.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-#include "init/meta_init.h"
+#include "fsdp_cpp/init/meta_init.h"
 
 #include <chrono>
 #include <cmath>

@@ -1,6 +1,6 @@
 // Atomic directories: a committed folder appears whole (new target or over an existing one, whose
 // old contents disappear), listings, the small file helpers and their errors, checked on disk.
-#include "storage/atomic_directory.h"
+#include "fsdp_cpp/storage/atomic_directory.h"
 
 #include <sys/stat.h>
 #include <unistd.h>

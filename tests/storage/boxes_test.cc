@@ -1,6 +1,6 @@
 // [Note: boxes]: flat ranges <-> boxes and runs, against brute force over every range of several
 // shapes (0-d, 1-d, 2-d, 3-d and 4-d with size-1 dimensions).
-#include "storage/boxes.h"
+#include "fsdp_cpp/storage/boxes.h"
 
 #include <algorithm>
 #include <climits>

@@ -8,7 +8,7 @@
 
 #include <catch2/catch.hpp>
 
-#include "storage/crc32c.h"
+#include "fsdp_cpp/storage/crc32c.h"
 
 namespace {
 

@@ -2,7 +2,7 @@
 // bytes and checksums against an independent parse (nlohmann and a bit-by-bit CRC-32C over the raw file), partial and
 // concurrent reads, corruption and malformed headers refused with messages naming file and key,
 // and files written by Python (the `safetensors` package and torch.distributed.checkpoint).
-#include "storage/safetensors.h"
+#include "fsdp_cpp/storage/safetensors.h"
 
 #include <unistd.h>
 

@@ -7,7 +7,7 @@
 
 #include <catch2/catch.hpp>
 
-#include "tests/testing/failure_report.h"
+#include "fsdp_cpp/tests/testing/failure_report.h"
 
 namespace {
 

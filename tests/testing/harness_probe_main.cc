@@ -3,7 +3,7 @@
 // that a rank failing while the others wait in a collective ends the job through the timeout.
 #include <ATen/ATen.h>
 
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 using fsdp::testing::rank;
 using fsdp::testing::world;

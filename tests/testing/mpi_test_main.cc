@@ -2,7 +2,7 @@
 // (JUnit into FSDP_TEST_JUNIT when the launcher sets it) and the other ranks a silent one, and
 // prints every failed assertion of every rank to stderr, prefixed with its rank.
 #define CATCH_CONFIG_RUNNER
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 #include <atomic>
 #include <chrono>
@@ -16,9 +16,9 @@
 #include <ATen/ops/tensor.h>
 #include <c10/util/Exception.h>
 
-#include "comm/mpi_backend.h"
-#include "comm/mpi_runtime.h"
-#include "tests/testing/failure_report.h"
+#include "fsdp_cpp/comm/mpi_backend.h"
+#include "fsdp_cpp/comm/mpi_runtime.h"
+#include "fsdp_cpp/tests/testing/failure_report.h"
 
 namespace fsdp::testing {
 namespace {

@@ -19,8 +19,8 @@
 
 #include <string>
 
-#include "comm/communicator.h"
-#include "tests/testing/errors.h"  // error_of, for test bodies
+#include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/tests/testing/errors.h"  // error_of, for test bodies
 
 // Last: LibTorch's c10/util/Logging.h defines its own CHECK, and the last definition wins.
 #include <catch2/catch.hpp>

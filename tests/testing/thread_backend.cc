@@ -1,4 +1,4 @@
-#include "tests/testing/thread_backend.h"
+#include "fsdp_cpp/tests/testing/thread_backend.h"
 
 #include <condition_variable>
 #include <exception>

@@ -17,7 +17,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include "comm/communicator.h"
+#include "fsdp_cpp/comm/communicator.h"
 
 namespace fsdp::testing {
 

@@ -1,4 +1,4 @@
-#include "tools/bench/bench_models.h"
+#include "fsdp_cpp/tools/bench/bench_models.h"
 
 #include <fstream>
 #include <iterator>

@@ -22,10 +22,10 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
-#include "contract/hookable_module_holder.h"
-#include "contract/hookable_module_list.h"
-#include "contract/hookable_modules.h"
-#include "examples/gpt_model.h"
+#include "fsdp_cpp/contract/hookable_module_holder.h"
+#include "fsdp_cpp/contract/hookable_module_list.h"
+#include "fsdp_cpp/contract/hookable_modules.h"
+#include "fsdp_cpp/examples/gpt_model.h"
 
 namespace fsdp::bench {
 

@@ -26,12 +26,12 @@
 
 #include <torch/torch.h>
 
-#include "checkpoint/distributed_checkpoint.h"
-#include "comm/init.h"
-#include "composable/fully_shard.h"
-#include "contract/hookable_modules.h"
-#include "contract/hookable_sequential.h"
-#include "tools/bench/counting_allocator.h"
+#include "fsdp_cpp/checkpoint/distributed_checkpoint.h"
+#include "fsdp_cpp/comm/init.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/contract/hookable_modules.h"
+#include "fsdp_cpp/contract/hookable_sequential.h"
+#include "fsdp_cpp/tools/bench/counting_allocator.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-#include "tools/bench/counting_allocator.h"
+#include "fsdp_cpp/tools/bench/counting_allocator.h"
 
 #include <algorithm>
 #include <utility>

@@ -17,11 +17,11 @@
 
 #include <ATen/Parallel.h>
 
-#include "comm/init.h"
-#include "composable/fully_shard_tree.h"
-#include "examples/gpt_model.h"
-#include "init/meta_init.h"
-#include "tools/bench/counting_allocator.h"
+#include "fsdp_cpp/comm/init.h"
+#include "fsdp_cpp/composable/fully_shard_tree.h"
+#include "fsdp_cpp/examples/gpt_model.h"
+#include "fsdp_cpp/init/meta_init.h"
+#include "fsdp_cpp/tools/bench/counting_allocator.h"
 
 namespace {
 

@@ -28,10 +28,10 @@
 #include <torch/optim/adamw.h>
 #include <torch/utils.h>
 
-#include "comm/init.h"
-#include "composable/fully_shard.h"
-#include "composable/replicate.h"
-#include "examples/gpt_model.h"
+#include "fsdp_cpp/comm/init.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/composable/replicate.h"
+#include "fsdp_cpp/examples/gpt_model.h"
 
 namespace {
 

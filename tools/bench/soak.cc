@@ -21,11 +21,11 @@
 #include <torch/optim/adamw.h>
 #include <unistd.h>
 
-#include "comm/init.h"
-#include "composable/activation_checkpoint.h"
-#include "composable/fully_shard_tree.h"
-#include "examples/gpt_model.h"
-#include "tools/bench/counting_allocator.h"
+#include "fsdp_cpp/comm/init.h"
+#include "fsdp_cpp/composable/activation_checkpoint.h"
+#include "fsdp_cpp/composable/fully_shard_tree.h"
+#include "fsdp_cpp/examples/gpt_model.h"
+#include "fsdp_cpp/tools/bench/counting_allocator.h"
 
 namespace {
 

@@ -50,15 +50,15 @@
 #include <torch/optim/adamw.h>
 #include <torch/utils.h>
 
-#include "comm/device_mesh.h"
-#include "comm/init.h"
-#include "composable/fully_shard.h"
-#include "composable/fully_shard_internal.h"
-#include "examples/gpt_model.h"
-#include "examples/gpt_tensor_parallel.h"
-#include "tools/bench/bench_models.h"
-#include "tools/bench/counting_allocator.h"
-#include "tools/bench/json_writer.h"
+#include "fsdp_cpp/comm/device_mesh.h"
+#include "fsdp_cpp/comm/init.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/composable/fully_shard_internal.h"
+#include "fsdp_cpp/examples/gpt_model.h"
+#include "fsdp_cpp/examples/gpt_tensor_parallel.h"
+#include "fsdp_cpp/tools/bench/bench_models.h"
+#include "fsdp_cpp/tools/bench/counting_allocator.h"
+#include "fsdp_cpp/tools/bench/json_writer.h"
 
 namespace {
 
