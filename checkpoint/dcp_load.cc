@@ -1,5 +1,5 @@
-#include "checkpoint/distributed_checkpoint.h"
-#include "comm/issuing_api.h"
+#include "fsdp_cpp/checkpoint/distributed_checkpoint.h"
+#include "fsdp_cpp/comm/issuing_api.h"
 
 #include <algorithm>
 #include <atomic>
@@ -15,14 +15,14 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
-#include "checkpoint/dcp_support.h"
-#include "checkpoint/optimizer_state_dict.h"
-#include "checkpoint/state_dict.h"
-#include "checkpoint/state_dict_support.h"
-#include "contract/shape_text.h"
-#include "storage/atomic_directory.h"
-#include "storage/boxes.h"
-#include "storage/safetensors.h"
+#include "dcp_support.h"  // private to //checkpoint:distributed_checkpoint
+#include "fsdp_cpp/checkpoint/optimizer_state_dict.h"
+#include "fsdp_cpp/checkpoint/state_dict.h"
+#include "fsdp_cpp/checkpoint/state_dict_support.h"
+#include "fsdp_cpp/contract/shape_text.h"
+#include "fsdp_cpp/storage/atomic_directory.h"
+#include "fsdp_cpp/storage/boxes.h"
+#include "fsdp_cpp/storage/safetensors.h"
 
 // Loading: the index of a checkpoint's files, validation on every rank, then the reads.
 
@@ -367,7 +367,8 @@ int64_t load_request(const char* api, const std::string& dir, const LoadRequest&
       const std::string busy = request.precheck();
       TORCH_CHECK(busy.empty(), api, ": ", busy);
     }
-    TORCH_CHECK(options.max_staging_bytes() > 0, api, ": LoadOptions::max_staging_bytes must be positive");
+    TORCH_CHECK(options.max_staging_bytes() > 0, api, ": LoadOptions::max_staging_bytes must be positive, got ",
+                options.max_staging_bytes());
     index = std::make_unique<CheckpointIndex>(open_checkpoint(normalized(dir), api));
     // The checkpoint holds optimizer state when it holds a key of this optimizer's state dict (not
     // when some key merely starts with "state.": a model may have a submodule named `state`).

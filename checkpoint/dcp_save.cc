@@ -1,5 +1,5 @@
-#include "checkpoint/distributed_checkpoint.h"
-#include "comm/issuing_api.h"
+#include "fsdp_cpp/checkpoint/distributed_checkpoint.h"
+#include "fsdp_cpp/comm/issuing_api.h"
 
 #include <algorithm>
 #include <atomic>
@@ -14,13 +14,13 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
-#include "checkpoint/dcp_support.h"
-#include "checkpoint/optimizer_state_dict.h"
-#include "checkpoint/state_dict.h"
-#include "contract/shape_text.h"
-#include "storage/atomic_directory.h"
-#include "storage/boxes.h"
-#include "storage/safetensors.h"
+#include "dcp_support.h"  // private to //checkpoint:distributed_checkpoint
+#include "fsdp_cpp/checkpoint/optimizer_state_dict.h"
+#include "fsdp_cpp/checkpoint/state_dict.h"
+#include "fsdp_cpp/contract/shape_text.h"
+#include "fsdp_cpp/storage/atomic_directory.h"
+#include "fsdp_cpp/storage/boxes.h"
+#include "fsdp_cpp/storage/safetensors.h"
 
 // Saving: plans, files and the atomic commit (see [Note: checkpoint layout] in
 // checkpoint/distributed_checkpoint.h).
@@ -301,6 +301,8 @@ std::shared_ptr<AsyncSave::State> start_save(const char* api, const std::string&
   std::string error;
   try {
     TORCH_CHECK(!dir.empty(), api, ": the checkpoint folder name is empty");
+    TORCH_CHECK(s->crc_block_bytes >= 0, api, ": SaveOptions::crc_block_bytes must not be negative (0: no "
+                "checksums), got ", s->crc_block_bytes);
     check_save_target(s->dir, api);
     s->tmp = storage::temporary_sibling(s->dir);
     ShardedStateDict state = collect_state(base, extra, s->comm->rank(), api);

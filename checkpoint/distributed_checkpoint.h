@@ -58,9 +58,9 @@
 #include <torch/arg.h>
 #include <torch/ordered_dict.h>
 
-#include "checkpoint/local_shard.h"
-#include "comm/communicator.h"
-#include "composable/fully_shard.h"
+#include "fsdp_cpp/checkpoint/local_shard.h"
+#include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/composable/fully_shard.h"
 
 namespace torch::optim {
 class Optimizer;
@@ -81,7 +81,9 @@ struct SaveOptions {
   /// Every rank that holds a shard of the state (for hybrid sharding: the whole mesh). Default:
   /// fsdp::comm::default_process_group().
   TORCH_ARG(std::shared_ptr<comm::Communicator>, communicator) = nullptr;
-  /// The block size of the CRC-32C checksums (bytes): loading verifies the blocks it reads.
+  /// The block size of the CRC-32C checksums (bytes): loading verifies the blocks it reads. 0
+  /// writes no checksums; negative is refused before anything is written. The same name and
+  /// default as SaveSafetensorsOptions' (storage::kDefaultCrcBlockBytes).
   TORCH_ARG(int64_t, crc_block_bytes) = int64_t{4} << 20;
 };
 
@@ -89,17 +91,20 @@ struct LoadOptions {
   /// Every rank that loads (for hybrid sharding: the whole mesh). Default:
   /// fsdp::comm::default_process_group().
   TORCH_ARG(std::shared_ptr<comm::Communicator>, communicator) = nullptr;
-  /// Verify the CRC-32C checksums of every block read (files without checksums are not verified).
-  TORCH_ARG(bool, verify_checksums) = true;
+  // The fields below have the names, defaults and order of LoadPretrainedOptions'.
   /// Every key of the model (and of the optimizer, when one is passed) must be in the checkpoint.
   /// With false, keys the checkpoint lacks keep their values, and an optimizer is left as it is
-  /// when the checkpoint holds no optimizer state.
+  /// when the checkpoint holds no optimizer state. Keys of the checkpoint that nothing loaded asks
+  /// for are ignored either way, unlike with LoadPretrainedOptions::strict: a checkpoint also holds
+  /// optimizer state and Extra tensors that a load need not take.
   TORCH_ARG(bool, strict) = true;
   /// Convert values stored in another dtype than the destination's (e.g. a float32 checkpoint
   /// into a float64 model). With false that is an error naming the key and both dtypes.
   TORCH_ARG(bool, convert_dtype) = false;
+  /// Verify the CRC-32C checksums of every block read (files without checksums are not verified).
+  TORCH_ARG(bool, verify_checksums) = true;
   /// The most bytes of the buffer that stages reads which cannot go straight into the
-  /// destination (non-CPU tensors, dtype conversions). The same name as LoadPretrainedOptions'.
+  /// destination (non-CPU tensors, dtype conversions). Must be positive.
   TORCH_ARG(int64_t, max_staging_bytes) = int64_t{16} << 20;
 
  public:

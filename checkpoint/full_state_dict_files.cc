@@ -1,4 +1,4 @@
-#include "checkpoint/full_state_dict_files.h"
+#include "fsdp_cpp/checkpoint/full_state_dict_files.h"
 
 #include <cstdio>
 #include <algorithm>
@@ -17,8 +17,8 @@
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 
-#include "storage/atomic_directory.h"
-#include "storage/safetensors.h"
+#include "fsdp_cpp/storage/atomic_directory.h"
+#include "fsdp_cpp/storage/safetensors.h"
 
 namespace fsdp {
 namespace {
@@ -41,9 +41,10 @@ bool is_model_file(const std::string& name) {
 }
 
 // Writes to a temporary name in the same folder, then renames it into place.
-void write_safetensors_atomically(const std::string& path, const std::vector<storage::SafetensorsItem>& items) {
+void write_safetensors_atomically(const std::string& path, const std::vector<storage::SafetensorsItem>& items,
+                                  int64_t crc_block_bytes) {
   const std::string tmp = path + ".partial";
-  storage::write_safetensors(tmp, items, {{"format", "pt"}});
+  storage::write_safetensors(tmp, items, {{"format", "pt"}}, crc_block_bytes);
   fs::rename(tmp, path);
 }
 
@@ -128,7 +129,11 @@ std::vector<char> pickle_untagged(const c10::IValue& value) {
 void save_safetensors(const std::string& dir, const FullStateDict& state, const SaveSafetensorsOptions& options) {
   constexpr const char* api = "fsdp::save_safetensors";
   const int64_t max_file_bytes = options.max_file_bytes();
-  TORCH_CHECK(max_file_bytes > 0, api, ": max_file_bytes must be positive, got ", max_file_bytes);
+  TORCH_CHECK(max_file_bytes > 0, api, ": SaveSafetensorsOptions::max_file_bytes must be positive, got ",
+              max_file_bytes);
+  const int64_t crc_block_bytes = options.crc_block_bytes();
+  TORCH_CHECK(crc_block_bytes >= 0, api, ": SaveSafetensorsOptions::crc_block_bytes must not be negative (0: no "
+              "checksums), got ", crc_block_bytes);
   // Group the tensors into files, in order.
   std::vector<std::vector<storage::SafetensorsItem>> groups(1);
   int64_t in_group = 0;
@@ -149,12 +154,12 @@ void save_safetensors(const std::string& dir, const FullStateDict& state, const 
     if (is_model_file(name)) fs::remove(fs::path(dir) / name);
   }
   if (groups.size() == 1) {
-    write_safetensors_atomically((fs::path(dir) / kSingleFile).string(), groups[0]);
+    write_safetensors_atomically((fs::path(dir) / kSingleFile).string(), groups[0], crc_block_bytes);
   } else {
     ordered_json weight_map = ordered_json::object();
     for (size_t i = 0; i < groups.size(); ++i) {
       const std::string name = sharded_name(i, groups.size());
-      write_safetensors_atomically((fs::path(dir) / name).string(), groups[i]);
+      write_safetensors_atomically((fs::path(dir) / name).string(), groups[i], crc_block_bytes);
       for (const auto& item : groups[i]) weight_map[item.key] = name;
     }
     ordered_json index;

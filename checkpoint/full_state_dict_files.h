@@ -12,7 +12,7 @@
 // before a tensor that would overflow the current one) with `model.safetensors.index.json`
 // (`{"metadata": {"total_size": bytes of all tensors}, "weight_map": {key: file}}`). Every file's
 // metadata has "format": "pt" (which Hugging Face loaders require) and this project's CRC-32C
-// checksums, verified when loading.
+// checksums (unless SaveSafetensorsOptions::crc_block_bytes is 0), verified when loading.
 //
 // `.pt` file: a pickled dict from key to tensor (CPU), as Python's `torch.save(state_dict, path)`
 // writes it; `torch.load(path, weights_only=True)` opens it.
@@ -38,6 +38,11 @@ struct SaveSafetensorsOptions {
   /// The largest file (bytes of tensor data): more tensors than fit are split into numbered files
   /// with an index (see above). A tensor larger than this gets a file of its own. Must be positive.
   TORCH_ARG(int64_t, max_file_bytes) = kDefaultMaxSafetensorsFileBytes;
+  /// The block size of this project's CRC-32C checksums (bytes), verified by load_safetensors and
+  /// fsdp::load_pretrained for the blocks they read. 0 writes plain files without checksums. The
+  /// same name and default as dcp::SaveOptions' (storage::kDefaultCrcBlockBytes). Must not be
+  /// negative.
+  TORCH_ARG(int64_t, crc_block_bytes) = int64_t{4} << 20;
 };
 
 /// Writes `state` into the folder `dir` (created if needed) as a Hugging Face safetensors model

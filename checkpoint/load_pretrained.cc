@@ -1,4 +1,4 @@
-#include "checkpoint/load_pretrained.h"
+#include "fsdp_cpp/checkpoint/load_pretrained.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -20,15 +20,15 @@
 #include <torch/csrc/jit/serialization/unpickler.h>
 #include <torch/nn/module.h>
 
-#include "checkpoint/full_state_dict_files.h"
-#include "checkpoint/local_shard.h"
-#include "composable/tensor_placement.h"
-#include "contract/module_state.h"
-#include "contract/shape_text.h"
-#include "fsdp/fsdp_state.h"
-#include "fsdp/unit_tree.h"
-#include "storage/atomic_directory.h"
-#include "storage/safetensors.h"
+#include "fsdp_cpp/checkpoint/full_state_dict_files.h"
+#include "fsdp_cpp/checkpoint/local_shard.h"
+#include "fsdp_cpp/composable/tensor_placement.h"
+#include "fsdp_cpp/contract/module_state.h"
+#include "fsdp_cpp/contract/shape_text.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"
+#include "fsdp_cpp/fsdp/unit_tree.h"
+#include "fsdp_cpp/storage/atomic_directory.h"
+#include "fsdp_cpp/storage/safetensors.h"
 
 namespace fsdp {
 namespace {
@@ -475,8 +475,8 @@ LoadPretrainedResult load_pretrained(torch::nn::Module& root, const std::string&
   TORCH_CHECK(!units.empty(), where, ": the module's tree has no fully_shard unit (apply fully_shard first; an "
               "unsharded model loads with fsdp::load_safetensors or fsdp::load_pt)");
   const World world(*units.front(), root);
-  TORCH_CHECK(options.max_staging_bytes() > 0, where, ": max_staging_bytes must be positive, got ",
-              options.max_staging_bytes());
+  TORCH_CHECK(options.max_staging_bytes() > 0, where,
+              ": LoadPretrainedOptions::max_staging_bytes must be positive, got ", options.max_staging_bytes());
   LoadPretrainedResult result;
   Sources sources;
   sources.stats = &result.stats;

@@ -50,7 +50,7 @@
 
 #include <torch/arg.h>
 
-#include "composable/fully_shard.h"
+#include "fsdp_cpp/composable/fully_shard.h"
 
 namespace fsdp {
 
@@ -58,6 +58,8 @@ namespace fsdp {
 ///
 ///   fsdp::load_pretrained(root, path, fsdp::LoadPretrainedOptions().convert_dtype(true));
 struct LoadPretrainedOptions {
+  // The names, defaults and order of dcp::LoadOptions' fields (which has no communicator here: the
+  // units' own is used).
   /// Missing and unexpected keys are errors (false: the values present are loaded, the others
   /// keep their values, and both lists are returned).
   TORCH_ARG(bool, strict) = true;
@@ -66,7 +68,8 @@ struct LoadPretrainedOptions {
   TORCH_ARG(bool, convert_dtype) = false;
   /// Verify this project's safetensors checksums of every block a rank reads (other files have none).
   TORCH_ARG(bool, verify_checksums) = true;
-  /// Largest staging buffer for converting dtypes or copying to a GPU (bytes, file dtype).
+  /// Largest staging buffer for converting dtypes or copying to a GPU (bytes, file dtype). Must be
+  /// positive.
   TORCH_ARG(int64_t, max_staging_bytes) = int64_t{16} << 20;
 };
 

@@ -37,8 +37,8 @@
 #include <c10/util/Exception.h>
 #include <torch/ordered_dict.h>
 
-#include "checkpoint/local_shard.h"
-#include "composable/fully_shard.h"
+#include "fsdp_cpp/checkpoint/local_shard.h"
+#include "fsdp_cpp/composable/fully_shard.h"
 
 namespace fsdp {
 
@@ -47,11 +47,15 @@ struct FullStateDictOptions {
   /// default, unlike SummonFullParamsOptions::rank0_only: a full state dict is for saving, which
   /// one rank does, so by default the other ranks do not hold the whole model.
   TORCH_ARG(bool, rank0_only) = true;
-  /// Copies on the CPU (otherwise on the parameters' compute device).
+  /// Copies on the CPU (otherwise on the parameters' compute device). On by default, unlike
+  /// SummonFullParamsOptions::offload_to_cpu: a saved state dict goes to files from host memory,
+  /// while summoned parameters are computed with on their device.
   TORCH_ARG(bool, offload_to_cpu) = true;
 };
 
-/// How load_full_state_dict (and load_full_optimizer_state_dict) read their input.
+/// How load_full_state_dict (and load_full_optimizer_state_dict) read their input. Always strict
+/// (every key present, none unexpected), without the `strict` of dcp::LoadOptions and
+/// LoadPretrainedOptions: a full state dict is the whole state, which files may hold only part of.
 ///
 ///   fsdp::load_full_state_dict(root, rank == 0 ? sd : decltype(sd){},
 ///                              fsdp::LoadFullStateDictOptions().broadcast_from_rank0(true));

@@ -4,8 +4,9 @@
 // model; resharding (saved by the first s ranks, loaded on t ranks for every s, t, with FULL_SHARD,
 // SHARD_GRAD_OP, NO_SHARD, mixed precision and hybrid sharding); optimizer round trip; refusals
 // (corrupted byte, truncated file, missing file, broken header, missing key, shape and dtype
-// mismatch, optimizer state absent) on every rank with the model unchanged; replacing a checkpoint;
-// save_async; Extra; foreign checkpoints without a manifest.
+// mismatch, optimizer state absent) on every rank with the model unchanged; option values (checksum
+// blocks, staging sizes, LoadOptions::staging_bytes); replacing a checkpoint; save_async; Extra;
+// foreign checkpoints without a manifest.
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -16,19 +17,19 @@
 #include <nlohmann/json.hpp>
 #include <torch/optim/adamw.h>
 
-#include "checkpoint/distributed_checkpoint.h"
-#include "checkpoint/full_state_dict_files.h"
-#include "checkpoint/optimizer_state_dict.h"
-#include "checkpoint/state_dict.h"
-#include "comm/device_mesh.h"
-#include "comm/mpi_backend.h"
-#include "contract/hookable_module_holder.h"
-#include "contract/hookable_modules.h"
-#include "storage/atomic_directory.h"
-#include "storage/safetensors.h"
-#include "tests/composable/parity.h"
-#include "tests/composable/test_models.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/checkpoint/distributed_checkpoint.h"
+#include "fsdp_cpp/checkpoint/full_state_dict_files.h"
+#include "fsdp_cpp/checkpoint/optimizer_state_dict.h"
+#include "fsdp_cpp/checkpoint/state_dict.h"
+#include "fsdp_cpp/comm/device_mesh.h"
+#include "fsdp_cpp/comm/mpi_backend.h"
+#include "fsdp_cpp/contract/hookable_module_holder.h"
+#include "fsdp_cpp/contract/hookable_modules.h"
+#include "fsdp_cpp/storage/atomic_directory.h"
+#include "fsdp_cpp/storage/safetensors.h"
+#include "fsdp_cpp/tests/composable/parity.h"
+#include "fsdp_cpp/tests/composable/test_models.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
 
@@ -428,16 +429,42 @@ FSDP_RANKS_TEST_CASE("damaged checkpoints and other models are refused on every 
   check_same(full(units.back()), reference_state(7));
 }
 
-TEST_CASE("LoadOptions::staging_bytes is the old name of max_staging_bytes", "[dcp][options]") {
-  fsdp::dcp::LoadOptions options;
-  CHECK(options.max_staging_bytes() == int64_t{16} << 20);
-  CHECK(options.staging_bytes() == options.max_staging_bytes());
-  options.staging_bytes(12);  // the old setter sets the new name's value
-  CHECK(options.max_staging_bytes() == 12);
-  options.max_staging_bytes(40);
-  CHECK(options.staging_bytes() == 40);
-  // Chained on a temporary, as the setters of LibTorch's options are.
-  CHECK(fsdp::dcp::LoadOptions().convert_dtype(true).staging_bytes(7).max_staging_bytes() == 7);
+FSDP_RANKS_TEST_CASE("checksum block sizes and staging sizes: 0, negative, and the old name", "[dcp][options]") {
+  const std::string dir = test_dir("options");
+  auto model = make_model(12);
+  auto units = fsdp::testing::shard_stack(model, fsdp::FullyShardOptions().communicator(fresh_comm()));
+  // A negative checksum block size is refused on every rank before anything is written.
+  CHECK_THROWS_WITH(fsdp::dcp::save(dir, units.back(), nullptr, {},
+                                    fsdp::dcp::SaveOptions().communicator(fresh_comm()).crc_block_bytes(-1)),
+                    Contains("SaveOptions::crc_block_bytes must not be negative"));
+  CHECK_FALSE(fs::exists(dir));
+  CHECK_FALSE(fs::exists(fsdp::storage::temporary_sibling(dir)));
+  world().barrier();  // every rank looked before the next save creates them
+  // 0 writes files without checksums, which load (nothing to verify).
+  fsdp::dcp::save(dir, units.back(), nullptr, {},
+                  fsdp::dcp::SaveOptions().communicator(fresh_comm()).crc_block_bytes(0));
+  for (const auto& name : fsdp::storage::list_files(dir)) {
+    if (name == fsdp::dcp::kManifestName) continue;
+    CHECK(fsdp::storage::SafetensorsFile(dir + "/" + name).header().crc_block_bytes == 0);
+  }
+  const auto options = fsdp::dcp::LoadOptions().communicator(fresh_comm());
+  // staging_bytes, the old name of max_staging_bytes, reaches the load: 0 is refused by the new name.
+  auto wide = make_model(120);
+  wide->to(at::kDouble);
+  auto wide_units = fsdp::testing::shard_stack(wide, fsdp::FullyShardOptions().communicator(fresh_comm()));
+  const auto before = full(wide_units.back());
+  CHECK_THROWS_WITH(fsdp::dcp::load(dir, wide_units.back(), nullptr, nullptr,
+                                    fsdp::dcp::LoadOptions(options).convert_dtype(true).staging_bytes(0)),
+                    Contains("LoadOptions::max_staging_bytes must be positive, got 0"));
+  check_same(full(wide_units.back()), before);
+  // Converted through a staging buffer of 3 floats set by the old name.
+  fsdp::dcp::load(dir, wide_units.back(), nullptr, nullptr,
+                  fsdp::dcp::LoadOptions(options).convert_dtype(true).staging_bytes(12));
+  StateDict expected;
+  for (const auto& item : reference_state(12)) {
+    expected.insert(item.key(), item.value().to(before[item.key()].scalar_type()));
+  }
+  check_same(full(wide_units.back()), expected);
 }
 
 FSDP_RANKS_TEST_CASE("saving over a checkpoint replaces it whole", "[dcp]") {

@@ -7,9 +7,9 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
-#include "checkpoint/full_state_dict_files.h"
-#include "storage/atomic_directory.h"
-#include "tests/testing/multi_rank.h"
+#include "fsdp_cpp/checkpoint/full_state_dict_files.h"
+#include "fsdp_cpp/storage/atomic_directory.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
 
@@ -110,6 +110,33 @@ FSDP_RANKS_TEST_CASE("damaged safetensors models are refused naming the file", "
   fs::remove(second);
   CHECK_THROWS_WITH(fsdp::load_safetensors(dir), Contains("model-00002-of-00003.safetensors") && Contains("missing"));
   CHECK_THROWS_WITH(fsdp::load_safetensors(test_dir("nothing_here")), Contains("nothing_here"));
+}
+
+FSDP_RANKS_TEST_CASE("crc_block_bytes sets the checksum blocks; 0 writes plain files", "[full_state_dict_files]") {
+  const std::string dir = test_dir("crc_blocks");
+  const auto state = sample_state();
+  // The default: 4 MiB blocks, as dcp::SaveOptions'.
+  fsdp::save_safetensors(dir, state);
+  CHECK(header_of(dir + "/model.safetensors").at("__metadata__").at("FSDP_CRC32C_BLOCK") == std::to_string(4 << 20));
+  // Small blocks, over several files: every file has them, and a flipped byte is still found.
+  fsdp::save_safetensors(dir, state, fsdp::SaveSafetensorsOptions().max_file_bytes(1000).crc_block_bytes(64));
+  for (const auto& name : fsdp::storage::list_files(dir)) {
+    if (!name.ends_with(".safetensors")) continue;
+    INFO(name);
+    CHECK(header_of(dir + "/" + name).at("__metadata__").at("FSDP_CRC32C_BLOCK") == "64");
+  }
+  check_same(fsdp::load_safetensors(dir), state);
+  // 0: no checksums (only "format" in the metadata), and the model loads.
+  fsdp::save_safetensors(dir, state, fsdp::SaveSafetensorsOptions().crc_block_bytes(0));
+  const auto metadata = header_of(dir + "/model.safetensors").at("__metadata__");
+  CHECK(metadata == nlohmann::json{{"format", "pt"}});
+  check_same(fsdp::load_safetensors(dir), state);
+  // Out of range: refused before anything is written (the previous model stays).
+  CHECK_THROWS_WITH(fsdp::save_safetensors(dir, StateDict(), fsdp::SaveSafetensorsOptions().crc_block_bytes(-1)),
+                    Contains("crc_block_bytes must not be negative"));
+  CHECK_THROWS_WITH(fsdp::save_safetensors(dir, StateDict(), fsdp::SaveSafetensorsOptions().max_file_bytes(0)),
+                    Contains("max_file_bytes must be positive"));
+  check_same(fsdp::load_safetensors(dir), state);
 }
 
 FSDP_RANKS_TEST_CASE("a .pt file round-trips", "[full_state_dict_files]") {
