@@ -1,4 +1,4 @@
-#include "composable/fully_shard.h"
+#include "fsdp_cpp/composable/fully_shard.h"
 
 #include <algorithm>
 #include <optional>
@@ -10,19 +10,19 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
-#include "composable/api_names.h"
-#include "comm/init.h"
-#include "comm/issuing_api.h"
-#include "contract/contract.h"
-#include "contract/forward_hooks.h"
-#include "contract/module_fqn.h"
-#include "contract/shape_text.h"
-#include "fsdp/runtime.h"
-#include "fsdp/forward_errors.h"
-#include "fsdp/fsdp_state.h"
-#include "fsdp/gradient_guard.h"
-#include "fsdp/tied_parameters.h"
-#include "fsdp/unit_tree.h"
+#include "fsdp_cpp/composable/api_names.h"
+#include "fsdp_cpp/comm/init.h"
+#include "fsdp_cpp/comm/issuing_api.h"
+#include "fsdp_cpp/contract/contract.h"
+#include "fsdp_cpp/contract/forward_hooks.h"
+#include "fsdp_cpp/contract/module_fqn.h"
+#include "fsdp_cpp/contract/shape_text.h"
+#include "fsdp_cpp/fsdp/runtime.h"
+#include "fsdp_cpp/fsdp/forward_errors.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"
+#include "fsdp_cpp/fsdp/gradient_guard.h"
+#include "fsdp_cpp/fsdp/tied_parameters.h"
+#include "fsdp_cpp/fsdp/unit_tree.h"
 
 namespace fsdp {
 namespace {
@@ -229,13 +229,10 @@ std::string agreed_error(comm::Communicator& comm, const std::string& mine, cons
 void check_modules(const std::vector<torch::nn::Module*>& modules) {
   TORCH_CHECK(!modules.empty(), "fully_shard: expected at least one module, got none");
   auto& registry = contract::ModuleStateRegistry::global();
+  declare_api_exclusions();
   for (size_t i = 0; i < modules.size(); ++i) {
     TORCH_CHECK(modules[i] != nullptr, "fully_shard: module ", i, " of the unit is null");
-    TORCH_CHECK(!registry.contains(*modules[i], kReplicateApi), "fully_shard: module ",
-                registry.describe(*modules[i]), " already has replicate applied; fully_shard and "
-                "replicate cannot be applied to the same module (replicate keeps every parameter whole "
-                "and all-reduces gradients, fully_shard shards them). Use one of them on this module "
-                "(fully_shard's NO_SHARD strategy replicates too; a mesh gives hybrid sharding)");
+    registry.check_exclusions(*modules[i], kFullyShardApi);  // replicate on it or inside it
     registry.check_not_applied(*modules[i], kFullyShardApi);
     check_no_unit_above(*modules[i]);
     for (size_t j = 0; j < modules.size(); ++j) {

@@ -1,4 +1,4 @@
-#include "composable/fully_shard_tree.h"
+#include "fsdp_cpp/composable/fully_shard_tree.h"
 
 #include <string>
 #include <unordered_set>
@@ -6,11 +6,11 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
-#include "composable/api_names.h"
-#include "contract/module_fqn.h"
-#include "contract/module_state.h"
-#include "fsdp/forward_errors.h"
-#include "fsdp/fsdp_state.h"
+#include "fsdp_cpp/composable/api_names.h"
+#include "fsdp_cpp/contract/module_fqn.h"
+#include "fsdp_cpp/contract/module_state.h"
+#include "fsdp_cpp/fsdp/forward_errors.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"
 
 namespace fsdp {
 namespace {
@@ -29,8 +29,6 @@ void check_target(const Target& target, const WrapPolicy& policy, torch::nn::Mod
   TORCH_CHECK(!registry.contains(*target.module, kFullyShardApi), "fully_shard_tree: ", which,
               " already has fully_shard applied; expected modules without units (leave units made by hand "
               "out of the policy, or make them with fully_shard_tree)");
-  TORCH_CHECK(!registry.contains(*target.module, kReplicateApi), "fully_shard_tree: ", which,
-              " already has replicate applied; fully_shard and replicate cannot be applied to the same module");
   for (const auto& other : registry.modules_with(kFullyShardApi)) {
     if (other.get() == target.module) continue;
     TORCH_CHECK(!contract::find_module_fqn(*other, *target.module).has_value(), "fully_shard_tree: ", which,
@@ -38,6 +36,7 @@ void check_target(const Target& target, const WrapPolicy& policy, torch::nn::Mod
                 "bottom-up, so no unit may contain the modules fully_shard_tree shards");
   }
   try {
+    registry.check_exclusions(*target.module, kFullyShardApi);  // replicate on it or inside it
     check_modules_can_run_hooks({target.module});
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "fully_shard_tree: ", which, " cannot be a unit: ", e.msg(),
@@ -73,6 +72,7 @@ std::vector<FSDPModule> fully_shard_tree(torch::nn::Module& root, const WrapPoli
     ignored_modules.push_back(m.get());
   }
 
+  declare_api_exclusions();
   const auto selected = select_modules(root, policy, options.ignored_params(), ignored_modules);
   std::vector<Target> targets;
   for (const auto& s : selected) targets.push_back({s.fqn, s.module.get()});

@@ -1,4 +1,4 @@
-#include "composable/replicate.h"
+#include "fsdp_cpp/composable/replicate.h"
 
 #include <algorithm>
 #include <unordered_set>
@@ -17,11 +17,11 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
-#include "comm/init.h"
-#include "contract/contract.h"
-#include "contract/module_fqn.h"
-#include "contract/module_state.h"
-#include "fsdp/fsdp_state.h"
+#include "fsdp_cpp/comm/init.h"
+#include "fsdp_cpp/contract/contract.h"
+#include "fsdp_cpp/contract/module_fqn.h"
+#include "fsdp_cpp/contract/module_state.h"
+#include "fsdp_cpp/fsdp/fsdp_state.h"  // kFullyShardApi
 
 namespace fsdp {
 
@@ -86,6 +86,12 @@ class ReplicateState final : public contract::ApiState,
   const ReplicateStats& stats() const { return stats_; }
   bool requires_gradient_sync = true;
 
+  /// [Note: managed parameters]: the replicated parameters, decided at the module's first forward
+  /// (none before it).
+  bool manages(const at::Tensor& param) const override {
+    return managed_.count(param.unsafeGetTensorImpl()) > 0;
+  }
+
   void pre_forward() {
     auto& registry = contract::ModuleStateRegistry::global();
     if (!initialized_) {
@@ -149,6 +155,7 @@ class ReplicateState final : public contract::ApiState,
   bool initialized_ = false;
   contract::ModuleStateRegistry::Checkpoint registry_checkpoint_ = 0;
   std::vector<Param> params_;
+  std::unordered_set<const void*> managed_;  // params_' TensorImpls
   std::vector<Bucket> buckets_;
   std::vector<ReplicateBucket> layout_;
   ReplicateStats stats_;
@@ -170,52 +177,17 @@ torch::autograd::variable_list GradientReadyHook::operator()(
   return outputs;
 }
 
-// The states of the fully_shard units whose modules are inside `module` (or `module` itself).
-std::vector<std::shared_ptr<FSDPState>> units_inside(const torch::nn::Module& module) {
-  auto& registry = contract::ModuleStateRegistry::global();
-  std::vector<std::shared_ptr<FSDPState>> units;
-  for (const auto& m : registry.modules_with(kFullyShardApi)) {
-    if (!contract::find_module_fqn(module, *m).has_value()) continue;
-    auto state = registry.get_as<FSDPState>(*m, kFullyShardApi);
-    if (state && std::find(units.begin(), units.end(), state) == units.end()) units.push_back(state);
-  }
-  return units;
+// fully_shard on the module itself, or on a module around it; replicate around or inside it
+// ([Note: exclusive APIs]; the reasons are in composable/api_names.cc).
+void check_composition(const torch::nn::Module& module) {
+  declare_api_exclusions();
+  contract::ModuleStateRegistry::global().check_exclusions(module, kReplicateApi);
 }
 
-bool managed_by_unit(const std::vector<std::shared_ptr<FSDPState>>& units, const at::Tensor& p) {
-  return std::any_of(units.begin(), units.end(), [&](const auto& u) { return u->manages(p); });
-}
-
-// fully_shard on the module itself, or on a module around it; replicate around or inside it.
-void check_composition(torch::nn::Module& module) {
-  auto& registry = contract::ModuleStateRegistry::global();
-  TORCH_CHECK(!registry.contains(module, kFullyShardApi), "replicate: module ",
-              registry.describe(module),
-              " already has fully_shard applied; expected a module without fully_shard (both "
-              "would reduce its gradients), found fully_shard. Apply fully_shard to its "
-              "submodules and replicate to it, or use fully_shard with "
-              "fsdp::ShardingStrategy::kNoShard for a replicated unit");
-  for (const auto& other : registry.modules_with(kFullyShardApi)) {
-    if (other.get() == &module) continue;
-    TORCH_CHECK(!contract::find_module_fqn(*other, module).has_value(), "replicate: module ",
-                registry.describe(module), " is inside ", registry.describe(*other),
-                ", which fully_shard was applied to; expected replicate on a module outside every "
-                "fully_shard unit, found it inside one (the unit already reduces these "
-                "gradients). Apply replicate to the root and fully_shard to its submodules");
-  }
-  for (const auto& other : registry.modules_with(kReplicateApi)) {
-    if (other.get() == &module) continue;
-    TORCH_CHECK(!contract::find_module_fqn(*other, module).has_value(), "replicate: module ",
-                registry.describe(module), " is inside ", registry.describe(*other),
-                ", which replicate was applied to; expected one replicate per model (nested "
-                "replicate would all-reduce the same gradients twice)");
-    // Named from `module`: nothing around `other` carries an API yet.
-    const std::optional<std::string> inner = contract::find_module_fqn(module, *other);
-    TORCH_CHECK(!inner.has_value(), "replicate: module ", registry.describe(module), " contains ",
-                contract::describe_module(inner.value_or(""), *other),
-                ", which replicate was applied to; expected one replicate per model (nested "
-                "replicate would all-reduce the same gradients twice)");
-  }
+// The fully_shard applications in `module`'s tree: the parameters they manage ([Note: managed
+// parameters]) are sharded and reduced by their unit, so replicate leaves them alone.
+std::vector<contract::AppliedApi> units_in(const torch::nn::Module& module) {
+  return contract::ModuleStateRegistry::global().applied_in(module, kFullyShardApi);
 }
 
 // Rank 0's values everywhere: one broadcast per (dtype, device) over the flattened tensors.
@@ -250,12 +222,12 @@ void broadcast_from_rank0(const std::vector<at::Tensor>& tensors, comm::Communic
 void ReplicateState::lazy_init() {
   auto& registry = contract::ModuleStateRegistry::global();
   check_composition(*module_);
-  const auto units = units_inside(*module_);
+  const auto units = units_in(*module_);
   std::unordered_set<const void*> seen;
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
     const at::Tensor& p = item.value();
     if (!p.requires_grad() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
-    if (managed_by_unit(units, p)) continue;
+    if (contract::find_managing(units, p) != nullptr) continue;
     TORCH_CHECK(at::isFloatingType(p.scalar_type()), "replicate: parameter '", item.key(),
                 "' of module ", registry.describe(*module_),
                 " requires grad; expected a floating-point dtype, found ", p.scalar_type());
@@ -267,6 +239,7 @@ void ReplicateState::lazy_init() {
     param.fqn = item.key();
     param.param = p;
     params_.push_back(std::move(param));
+    managed_.insert(p.unsafeGetTensorImpl());
   }
 
   // Buckets: reverse registration order, one open bucket per (dtype, device).
@@ -337,14 +310,14 @@ void ReplicateState::lazy_init() {
 void ReplicateState::check_still_replicated() {
   auto& registry = contract::ModuleStateRegistry::global();
   check_composition(*module_);
-  const auto units = units_inside(*module_);
+  const auto units = units_in(*module_);
   for (const auto& p : params_) {
-    for (const auto& u : units) {
-      TORCH_CHECK(!u->manages(p.param), "replicate: ", describe_param(p),
-                  " is replicated since the module's first forward, but fully_shard unit '",
-                  u->fqn(), "' applied later manages it; expected fully_shard on submodules to be "
-                  "applied before the first forward of the replicated module");
-    }
+    const contract::AppliedApi* owner = contract::find_managing(units, p.param);
+    TORCH_CHECK(owner == nullptr, "replicate: ", describe_param(p),
+                " is replicated since the module's first forward, but fully_shard unit ",
+                owner == nullptr ? std::string() : registry.describe(*owner->module),
+                " applied later manages it; expected fully_shard on submodules to be applied before the "
+                "first forward of the replicated module");
   }
   registry_checkpoint_ = registry.checkpoint();
 }
@@ -488,12 +461,12 @@ ReplicateModule replicate(torch::nn::Module& module, const ReplicateOptions& opt
   // Parameters a fully_shard unit manages are sharded (each rank holds a different slice): left
   // to their unit. The others (replicated now, or sharded by a unit applied later) must live
   // where the communicator works.
-  const auto units = units_inside(module);
+  const auto units = units_in(module);
   std::vector<at::Tensor> states;
   std::unordered_set<const void*> seen;
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
     const at::Tensor& p = item.value();
-    if (managed_by_unit(units, p) || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    if (contract::find_managing(units, p) != nullptr || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
     TORCH_CHECK(p.device().type() == comm->device().type(), "replicate: parameter '", item.key(),
                 "' of module ", registry.describe(module), " is on ", p.device(),
                 "; expected the communicator's device type (", comm->device(),

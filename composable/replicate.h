@@ -25,8 +25,9 @@
 //   fsdp::replicate(model);                                             // the rest replicated
 //
 // shards the blocks and replicates the root's own parameters. fully_shard and replicate on the
-// same module are refused, as is replicate inside (or around) another replicate or inside a
-// fully_shard unit.
+// same module are refused, as are replicate inside (or around) another replicate and replicate
+// inside a fully_shard unit (in either order: fully_shard around a replicated module too); the
+// table is in composable/api_names.cc.
 //
 // The module must be called through its hook-able holder (FSDP_HOOKABLE_MODULE,
 // fsdp::contract::Sequential, ...): its first forward decides the replicated parameters and its
@@ -44,9 +45,9 @@
 #include <torch/arg.h>
 #include <torch/nn/pimpl.h>
 
-#include "comm/communicator.h"
-#include "composable/api_names.h"
-#include "contract/forward_hooks.h"
+#include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/composable/api_names.h"
+#include "fsdp_cpp/contract/forward_hooks.h"
 
 namespace fsdp {
 

@@ -1,8 +1,9 @@
-#include "composable/tensor_parallel.h"
+#include "fsdp_cpp/composable/tensor_parallel.h"
 
 #include <algorithm>
 #include <map>
 #include <sstream>
+#include <unordered_set>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -11,14 +12,13 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
-#include "composable/tensor_placement.h"
-#include "composable/tp_collectives.h"
-#include "contract/contract.h"
-#include "contract/forward_hooks.h"
-#include "contract/module_state.h"
-#include "contract/shape_text.h"
-#include "fsdp/fsdp_state.h"
-#include "init/meta_init.h"
+#include "fsdp_cpp/composable/tensor_placement.h"
+#include "fsdp_cpp/composable/tp_collectives.h"
+#include "fsdp_cpp/contract/contract.h"
+#include "fsdp_cpp/contract/forward_hooks.h"
+#include "fsdp_cpp/contract/module_state.h"
+#include "fsdp_cpp/contract/shape_text.h"
+#include "fsdp_cpp/init/meta_init.h"
 
 namespace fsdp {
 namespace {
@@ -70,6 +70,9 @@ struct PlannedParam {
 
 struct TensorParallelState final : contract::ApiState {
   std::vector<std::string> styles;
+  std::unordered_set<const void*> placed;  // the parameters placed (by TensorImpl)
+  // [Note: managed parameters]: the parameters this module's styles placed (tensor_placement).
+  bool manages(const at::Tensor& param) const override { return placed.count(param.unsafeGetTensorImpl()) > 0; }
 };
 
 std::string where(const Target& t) { return "parallelize_module: module '" + t.fqn + "'"; }
@@ -308,16 +311,10 @@ void parallelize(torch::nn::Module& module, const std::shared_ptr<comm::Communic
   TORCH_CHECK(group != nullptr, kApi, ": no tensor-parallel group given");
   auto& registry = contract::ModuleStateRegistry::global();
 
-  // 1. Refuse a model fully_shard already manages (parameters are flattened shards by then).
-  for (const auto& unit : registry.modules_with(kFullyShardApi)) {
-    bool inside = unit.get() == &module;
-    if (!inside) {
-      for (const auto& m : unit->modules(/*include_self=*/false)) inside |= m.get() == &module;
-      for (const auto& m : module.modules(/*include_self=*/false)) inside |= m.get() == unit.get();
-    }
-    TORCH_CHECK(!inside, kApi, ": module '", registry.describe(*unit), "' is managed by fully_shard; apply "
-                "parallelize_module before fully_shard (fully_shard then shards the tensor-parallel pieces)");
-  }
+  // 1. Refuse a model fully_shard already manages (parameters are flattened shards by then): a
+  // unit on the module, around it or inside it ([Note: exclusive APIs], composable/api_names.cc).
+  declare_api_exclusions();
+  registry.check_exclusions(module, kTensorParallelApi, kApi);
 
   // 2. Resolve the plan: every entry must match a module.
   std::map<std::string, Target> targets;
@@ -399,6 +396,7 @@ void parallelize(torch::nn::Module& module, const std::shared_ptr<comm::Communic
           p.set_data(planned.placement.local_piece(p.detach(), rank));
         }
         set_tensor_placement(p, planned.placement);
+        state->placed.insert(p.unsafeGetTensorImpl());
       }
       for (const auto& style : t.styles) {
         state->styles.push_back(style_name(style));

@@ -61,17 +61,15 @@
 
 #include <torch/arg.h>
 
-#include "comm/communicator.h"
-#include "comm/device_mesh.h"
+#include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/comm/device_mesh.h"
+#include "fsdp_cpp/composable/api_names.h"  // kTensorParallelApi
 
 namespace torch::nn {
 class Module;
 }  // namespace torch::nn
 
 namespace fsdp {
-
-/// The name parallelize_module registers its state under in the contract's registry.
-inline constexpr const char* kTensorParallelApi = "tensor_parallel";
 
 /// How an activation is laid out over the tensor-parallel group.
 struct Layout {

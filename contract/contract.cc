@@ -1,9 +1,9 @@
-#include "contract/contract.h"
+#include "fsdp_cpp/contract/contract.h"
 
 #include <torch/nn/module.h>
 
-#include "contract/forward_hooks.h"
-#include "contract/fqn_snapshot.h"
+#include "fsdp_cpp/contract/forward_hooks.h"
+#include "fsdp_cpp/contract/fqn_snapshot.h"
 
 namespace fsdp::contract {
 namespace detail {
@@ -27,6 +27,7 @@ std::shared_ptr<ApiState> apply_api_erased(std::string_view api, torch::nn::Modu
               "(e.g. `Block block(...)`) or std::make_shared, got one on the stack or in a plain "
               "member");
   registry.check_not_applied(module, api);
+  registry.check_exclusions(module, api);  // [Note: exclusive APIs]
 
   std::vector<const torch::nn::Module*> tree;  // before fn; fn may add or drop modules
   append_tree(module, tree);

@@ -9,7 +9,7 @@
 #include <string_view>
 #include <type_traits>
 
-#include "contract/module_state.h"
+#include "fsdp_cpp/contract/module_state.h"
 
 namespace torch::nn {
 class Module;
@@ -32,7 +32,8 @@ std::shared_ptr<ApiState> apply_api_erased(std::string_view api, torch::nn::Modu
 
 /// Applies the composable API `api` to `module` under the contract:
 ///  1. fails if `api` was already applied to `module` (the error names the API and the
-///     module's FQN), before `fn` runs;
+///     module's FQN), or if an API declared exclusive with it is applied to `module`, around it
+///     or inside it ([Note: exclusive APIs] in module_state.h), before `fn` runs;
 ///  2. snapshots the FQNs of the module's parameters, buffers and submodules (fqn_snapshot.h);
 ///  3. runs `fn(module)`, which sets the API up (registers hooks, builds its state) and returns
 ///     the module's state, a std::shared_ptr to an ApiState subclass (not null);

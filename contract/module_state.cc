@@ -1,12 +1,13 @@
-#include "contract/module_state.h"
+#include "fsdp_cpp/contract/module_state.h"
 
 #include <algorithm>
 #include <unordered_set>
 #include <utility>
 
+#include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
-#include "contract/module_fqn.h"
+#include "fsdp_cpp/contract/module_fqn.h"
 
 namespace fsdp::contract {
 
@@ -19,6 +20,94 @@ ModuleStateRegistry& ModuleStateRegistry::global() {
 ModuleStateRegistry::~ModuleStateRegistry() = default;
 
 std::string ApiState::serialization_veto(const torch::nn::Module& /*module*/) const { return {}; }
+
+bool ApiState::manages(const at::Tensor& /*param*/) const { return false; }
+
+const AppliedApi* find_managing(const std::vector<AppliedApi>& applied, const at::Tensor& param) {
+  for (const auto& a : applied) {
+    if (a.state->manages(param)) return &a;
+  }
+  return nullptr;
+}
+
+namespace {
+
+// The declared exclusions, each stored in the direction it refuses (a both_orders declaration is
+// stored twice). Leaked on purpose, as the global registry.
+struct ExclusionTable {
+  std::mutex mutex;
+  std::vector<Exclusion> rules;
+};
+
+ExclusionTable& exclusion_table() {
+  static auto* table = new ExclusionTable();
+  return *table;
+}
+
+// Adds `rule` (both_orders already expanded): merged into an earlier declaration of its pair with
+// the same reason, refused when a place of it already has another reason. Caller holds the table's
+// mutex.
+void add_exclusion_locked(std::vector<Exclusion>& rules, Exclusion rule) {
+  rule.both_orders = false;
+  Exclusion* same_reason = nullptr;
+  for (auto& earlier : rules) {
+    if (earlier.api != rule.api || earlier.existing != rule.existing) continue;
+    if (earlier.why == rule.why) {
+      same_reason = &earlier;
+      continue;
+    }
+    const bool overlap = (earlier.same_module && rule.same_module) || (earlier.around && rule.around) ||
+                         (earlier.inside && rule.inside);
+    TORCH_CHECK(!overlap, "fsdp::contract::declare_exclusive: '", rule.api, "' where '", rule.existing,
+                "' is applied was declared exclusive twice at the same place with different reasons (\"",
+                earlier.why, "\" and \"", rule.why, "\"); expected one reason per place");
+  }
+  if (same_reason != nullptr) {
+    same_reason->same_module |= rule.same_module;
+    same_reason->around |= rule.around;
+    same_reason->inside |= rule.inside;
+    return;
+  }
+  rules.push_back(std::move(rule));
+}
+
+}  // namespace
+
+void declare_exclusive(const Exclusion& exclusion) {
+  TORCH_CHECK(!exclusion.api.empty() && !exclusion.existing.empty(),
+              "fsdp::contract::declare_exclusive: expected two non-empty API names, got '", exclusion.api,
+              "' and '", exclusion.existing, "'");
+  TORCH_CHECK(exclusion.same_module || exclusion.around || exclusion.inside,
+              "fsdp::contract::declare_exclusive: '", exclusion.api, "' and '", exclusion.existing,
+              "': expected at least one place (same_module, around, inside), got none");
+  TORCH_CHECK(exclusion.api != exclusion.existing || !exclusion.same_module,
+              "fsdp::contract::declare_exclusive: '", exclusion.api, "' on the same module as itself is "
+              "refused by every API already (ModuleStateRegistry::check_not_applied); declare only around "
+              "or inside");
+  TORCH_CHECK(!exclusion.why.empty(), "fsdp::contract::declare_exclusive: '", exclusion.api, "' and '",
+              exclusion.existing, "': expected a reason (why) for the error, got none");
+  ExclusionTable& table = exclusion_table();
+  std::lock_guard<std::mutex> lock(table.mutex);
+  std::vector<Exclusion> rules = table.rules;  // all or nothing: a refused mirror adds nothing either
+  add_exclusion_locked(rules, exclusion);
+  if (exclusion.both_orders) {
+    Exclusion mirrored = exclusion;
+    std::swap(mirrored.api, mirrored.existing);
+    std::swap(mirrored.around, mirrored.inside);
+    add_exclusion_locked(rules, std::move(mirrored));
+  }
+  table.rules = std::move(rules);
+}
+
+std::vector<Exclusion> exclusions_of(std::string_view api) {
+  ExclusionTable& table = exclusion_table();
+  std::lock_guard<std::mutex> lock(table.mutex);
+  std::vector<Exclusion> out;
+  for (const auto& rule : table.rules) {
+    if (rule.api == api) out.push_back(rule);
+  }
+  return out;
+}
 
 void check_serializable(const torch::nn::Module& module, const char* api) {
   const std::string veto = ModuleStateRegistry::global().serialization_veto(module);
@@ -167,6 +256,66 @@ std::vector<std::shared_ptr<torch::nn::Module>> ModuleStateRegistry::modules_wit
     modules.push_back(std::move(item.second));
   }
   return modules;
+}
+
+std::vector<AppliedApi> ModuleStateRegistry::applied_in(const torch::nn::Module& root,
+                                                        std::string_view api) const {
+  std::unordered_set<const torch::nn::Module*> tree{&root};
+  for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+    tree.insert(item.value().get());
+  }
+  std::vector<std::pair<uint64_t, AppliedApi>> found;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [key, entry] : entries_) {
+      if (tree.count(key) == 0) continue;
+      std::shared_ptr<torch::nn::Module> module = entry.module.lock();
+      if (module == nullptr) continue;
+      for (const auto& e : entry.apis) {
+        if (api.empty() || e.api == api) found.emplace_back(e.sequence, AppliedApi{e.api, module, e.state});
+      }
+    }
+  }
+  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<AppliedApi> applied;
+  applied.reserve(found.size());
+  for (auto& item : found) applied.push_back(std::move(item.second));
+  return applied;
+}
+
+std::optional<AppliedApi> ModuleStateRegistry::api_managing(const torch::nn::Module& root,
+                                                            const at::Tensor& param,
+                                                            std::string_view api) const {
+  const std::vector<AppliedApi> applied = applied_in(root, api);
+  if (const AppliedApi* owner = find_managing(applied, param)) return *owner;
+  return std::nullopt;
+}
+
+void ModuleStateRegistry::check_exclusions(const torch::nn::Module& module, std::string_view api,
+                                           std::string_view caller) const {
+  const std::vector<Exclusion> rules = exclusions_of(api);
+  const std::string_view who = caller.empty() ? api : caller;
+  for (const auto& rule : rules) {
+    if (rule.same_module && contains(module, rule.existing)) {
+      TORCH_CHECK(false, who, ": module ", describe(module), " already has ", rule.existing, " applied; ",
+                  rule.why);
+    }
+    if (!rule.around && !rule.inside) continue;
+    for (const auto& other : modules_with(rule.existing)) {
+      if (other.get() == &module) continue;
+      if (rule.around && find_module_fqn(*other, module).has_value()) {
+        TORCH_CHECK(false, who, ": module ", describe(module), " is inside ", describe(*other), ", which ",
+                    rule.existing, " was applied to; ", rule.why);
+      }
+      if (rule.inside) {
+        // Named from `module`: nothing around `other` may carry an API yet.
+        const std::optional<std::string> inner = find_module_fqn(module, *other);
+        TORCH_CHECK(!inner.has_value(), who, ": module ", describe(module), " contains ",
+                    describe_module(inner.value_or(""), *other), ", which ", rule.existing, " was applied to; ",
+                    rule.why);
+      }
+    }
+  }
 }
 
 bool ModuleStateRegistry::erase(const torch::nn::Module& module, std::string_view api) {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <typeinfo>
@@ -14,6 +15,10 @@
 
 #include <c10/util/Exception.h>
 #include <c10/util/Type.h>
+
+namespace at {
+class Tensor;
+}  // namespace at
 
 namespace torch::nn {
 class Module;
@@ -38,7 +43,74 @@ class ApiState {
   /// hook-able holders (contract/hookable_module_holder.h) through
   /// ModuleStateRegistry::serialization_veto. Default: no veto.
   virtual std::string serialization_veto(const torch::nn::Module& module) const;
+
+  /// [Note: managed parameters] True when this API has taken charge of `param` (by tensor
+  /// identity): fully_shard's unit holds it in a FlatParameter, replicate all-reduces its
+  /// gradient, parallelize_module placed a piece of it on this rank. Other APIs ask through
+  /// ModuleStateRegistry::applied_in / api_managing instead of reading each other's states, e.g.
+  /// replicate leaves the parameters a fully_shard unit inside its module manages to that unit.
+  /// Called outside the registry's lock. Default: manages nothing.
+  virtual bool manages(const at::Tensor& param) const;
 };
+
+/// One application of an API, as the registry's queries return it.
+struct AppliedApi {
+  std::string api;
+  std::shared_ptr<torch::nn::Module> module;
+  std::shared_ptr<ApiState> state;
+};
+
+/// The first of `applied` whose state manages `param` (ApiState::manages), or nullptr.
+///
+///   auto units = registry.applied_in(*model, "fully_shard");   // once
+///   for (auto& p : model->parameters()) if (find_managing(units, p)) { ... }
+const AppliedApi* find_managing(const std::vector<AppliedApi>& applied, const at::Tensor& param);
+
+// [Note: exclusive APIs]
+// Which composable APIs exclude each other is declared once, as data, with declare_exclusive:
+// "`api` is refused on a module where `existing` is already applied to the module itself, to a
+// module around it, or to one inside it", and why. contract::apply_api checks the declarations
+// before it runs the API (ModuleStateRegistry::check_exclusions), and an API that does work before
+// apply_api (collectives, checks exchanged across ranks) calls check_exclusions first. The error
+// names both APIs, the module's FQN and the other module's, then the declared reason:
+//   "<api>: module 'blocks.0' (BlockImpl) already has <existing> applied; <why>"
+//   "<api>: module 'blocks.0' (BlockImpl) is inside '<root>' (ModelImpl), which <existing> was
+//    applied to; <why>"
+//   "<api>: module '<root>' (ModelImpl) contains 'blocks.0' (BlockImpl), which <existing> was
+//    applied to; <why>"
+// The composable APIs' declarations are in composable/api_names.cc.
+
+/// One declared exclusion: `api` is refused where `existing` is already applied (see [Note:
+/// exclusive APIs]).
+struct Exclusion {
+  /// The API being applied.
+  std::string api;
+  /// The API already applied.
+  std::string existing;
+  /// Where `existing` refuses `api`, relative to the module `api` is applied to: the module
+  /// itself, a module that contains it, a module inside it.
+  bool same_module = true;
+  bool around = false;
+  bool inside = false;
+  /// Also refuse `existing` where `api` is already applied (on the same module; `around` and
+  /// `inside` swap).
+  bool both_orders = false;
+  /// Ends the error: what was expected and what to do instead.
+  std::string why;
+};
+
+/// Declares an exclusion, process-wide. A pair may be declared several times for different places
+/// with different reasons; declaring a place again with the same `why` changes nothing, with
+/// another `why` it throws (one reason per place).
+///
+///   fsdp::contract::declare_exclusive({.api = "replicate", .existing = "fully_shard",
+///                                      .same_module = true, .both_orders = true,
+///                                      .why = "both would reduce its gradients"});
+void declare_exclusive(const Exclusion& exclusion);
+
+/// The exclusions that refuse `api` (those whose `api` it is, mirrored ones included), in
+/// declaration order.
+std::vector<Exclusion> exclusions_of(std::string_view api);
 
 // [Note: module state ownership]
 // The registry is a side table keyed by module identity; the module tree and its FQNs never
@@ -112,6 +184,32 @@ class ModuleStateRegistry {
   ///
   ///   for (const auto& module : registry.modules_with("fully_shard")) { ... }
   std::vector<std::shared_ptr<torch::nn::Module>> modules_with(std::string_view api) const;
+
+  /// The APIs applied to `root` or to modules inside its tree (only `api` when not empty), in
+  /// application order.
+  ///
+  ///   for (const auto& unit : registry.applied_in(*model, "fully_shard")) { ... unit.module ... }
+  std::vector<AppliedApi> applied_in(const torch::nn::Module& root, std::string_view api = {}) const;
+
+  /// Which API manages `param` ([Note: managed parameters]): the first application in `root`'s
+  /// tree (of `api` only when not empty), in application order, whose state manages it; nullopt
+  /// when none does. Walks the tree once per call: for many parameters, call applied_in once and
+  /// find_managing per parameter.
+  ///
+  ///   if (auto owner = registry.api_managing(*model, model->head->weight)) {
+  ///     owner->api;      // "fully_shard"
+  ///     owner->module;   // the unit's module
+  ///   }
+  std::optional<AppliedApi> api_managing(const torch::nn::Module& root, const at::Tensor& param,
+                                         std::string_view api = {}) const;
+
+  /// Throws the c10::Error of [Note: exclusive APIs] when an API declared exclusive with `api`
+  /// (declare_exclusive) is applied where it refuses `api` on `module`. `caller` starts the
+  /// message (default: `api`), for an API whose public name differs from its registry name.
+  ///
+  ///   registry.check_exclusions(*block, "fully_shard");   // before doing any work
+  void check_exclusions(const torch::nn::Module& module, std::string_view api,
+                        std::string_view caller = {}) const;
 
   /// Removes the state of `api` for `module` (the state is destroyed unless held elsewhere).
   /// Returns false when there was none.

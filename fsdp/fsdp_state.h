@@ -12,12 +12,12 @@
 #include <unordered_set>
 #include <vector>
 
-#include "comm/communicator.h"
-#include "contract/module_state.h"
-#include "fsdp/flat_param_handle.h"
-#include "fsdp/hidden_params.h"
-#include "fsdp/options.h"
-#include "fsdp/unit_iteration.h"
+#include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/contract/module_state.h"
+#include "fsdp_cpp/fsdp/flat_param_handle.h"
+#include "fsdp_cpp/fsdp/hidden_params.h"
+#include "fsdp_cpp/fsdp/options.h"
+#include "fsdp_cpp/fsdp/unit_iteration.h"
 
 namespace torch::nn {
 class Module;
@@ -93,8 +93,9 @@ class FSDPState final : public contract::ApiState {
   void set_fqn(std::string fqn);
   const FSDPConfig& config() const { return config_; }
   const std::vector<std::unique_ptr<FlatParamHandle>>& handles() const { return handles_; }
-  /// The original parameters this unit's handles manage (by tensor identity).
-  bool manages(const at::Tensor& param) const;
+  /// The original parameters this unit's handles manage (by tensor identity); what the contract's
+  /// queries see ([Note: managed parameters] in contract/module_state.h).
+  bool manages(const at::Tensor& param) const override;
 
   /// Ignored parameters and buffers ([Note: ignored parameters]): parameters of the unit's trees
   /// that no FlatParameter holds (fully_shard's ignored_params, the parameters of its

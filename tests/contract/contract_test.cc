@@ -2,6 +2,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
@@ -84,6 +85,38 @@ TEST_CASE("different APIs may be applied to the same module") {
   CHECK(registry.get(*block, "fully_shard") == shard);
   CHECK(registry.get(*block, "replicate") == replicate);
   CHECK(shard != replicate);
+}
+
+TEST_CASE("apply_api refuses an API declared exclusive with one applied, before fn runs") {
+  fsdp::contract::declare_exclusive({.api = "contract_test.x",
+                                     .existing = "contract_test.y",
+                                     .same_module = true,
+                                     .inside = true,
+                                     .why = "expected x away from y"});
+  ModuleStateRegistry registry;
+  Model model;
+  int runs = 0;
+  apply_api("contract_test.y", *model->block1, hooking_api(&runs), registry);
+  REQUIRE(runs == 1);
+
+  const std::string on_it =
+      error_of([&] { apply_api("contract_test.x", *model->block1, hooking_api(&runs), registry); });
+  CHECK(on_it == std::string("contract_test.x: module '<root>' (fsdp::contract::fixtures::BlockImpl) already has "
+                             "contract_test.y applied; expected x away from y"));
+  const std::string around =
+      error_of([&] { apply_api("contract_test.x", *model, hooking_api(&runs), registry); });
+  CHECK(around == std::string("contract_test.x: module '<root>' (fsdp::contract::fixtures::TwoBlocksImpl) contains "
+                              "'block1' (fsdp::contract::fixtures::BlockImpl), which contract_test.y was applied "
+                              "to; expected x away from y"));
+  CHECK(runs == 1);
+  CHECK(registry.apis_of(*model->block1) == std::vector<std::string>{"contract_test.y"});
+  CHECK(registry.apis_of(*model).empty());
+  CHECK(num_forward_pre_hooks(*model) == 0);
+
+  // Not declared: x beside y, and y where x is.
+  CHECK_NOTHROW(apply_api("contract_test.x", *model->block0, hooking_api(&runs), registry));
+  CHECK_NOTHROW(apply_api("contract_test.y", *model->block0, hooking_api(&runs), registry));
+  CHECK(runs == 3);
 }
 
 TEST_CASE("an API that adds a parameter fails with 'cannot modify FQNs' and leaves no trace") {

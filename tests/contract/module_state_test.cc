@@ -253,3 +253,187 @@ TEST_CASE("threads apply state to their own modules concurrently") {
   CHECK(registry.size() == static_cast<size_t>(kThreads * kModules));
   CHECK(registry.modules_with("fully_shard").size() == static_cast<size_t>(kThreads * kModules));
 }
+
+namespace {
+
+using fsdp::contract::AppliedApi;
+using fsdp::contract::Exclusion;
+
+// Manages the parameters it is given, by tensor identity.
+struct ManagingState : ApiState {
+  explicit ManagingState(std::vector<at::Tensor> params) : params_(std::move(params)) {}
+  bool manages(const at::Tensor& param) const override {
+    for (const auto& p : params_) {
+      if (p.is_same(param)) return true;
+    }
+    return false;
+  }
+  std::vector<at::Tensor> params_;
+};
+
+std::vector<std::string> apis(const std::vector<AppliedApi>& applied) {
+  std::vector<std::string> out;
+  for (const auto& a : applied) out.push_back(a.api);
+  return out;
+}
+
+constexpr const char* kBlock = "(fsdp::contract::fixtures::BlockImpl)";
+constexpr const char* kModel = "(fsdp::contract::fixtures::TwoBlocksImpl)";
+
+}  // namespace
+
+TEST_CASE("applied_in lists the APIs of a module tree; api_managing names the API managing a parameter") {
+  ModuleStateRegistry registry;
+  Model model;
+  Model other;
+  const at::Tensor w0 = model->block0->fc->weight;
+  const at::Tensor w1 = model->block1->fc->weight;
+  CHECK_FALSE(ApiState().manages(w0));  // the default: manages nothing
+
+  registry.insert(*model->block1, "shard", std::make_shared<ManagingState>(std::vector<at::Tensor>{w1}));
+  registry.insert(*model, "replicate", std::make_shared<ManagingState>(std::vector<at::Tensor>{w0, w1}));
+  registry.insert(*model->block0, "plain", std::make_shared<ApiState>());
+  registry.insert(*other, "shard", std::make_shared<ManagingState>(std::vector<at::Tensor>{other->block0->fc->weight}));
+
+  // In application order, the module itself included; only its tree.
+  const auto all = registry.applied_in(*model);
+  CHECK(apis(all) == std::vector<std::string>{"shard", "replicate", "plain"});
+  REQUIRE(all.size() == 3);
+  CHECK(all[0].module.get() == model->block1.get());
+  CHECK(all[1].module.get() == model.get());
+  CHECK(all[2].module.get() == model->block0.get());
+  CHECK(all[1].state == registry.get(*model, "replicate"));
+  CHECK(apis(registry.applied_in(*model, "shard")) == std::vector<std::string>{"shard"});
+  CHECK(apis(registry.applied_in(*model->block0)) == std::vector<std::string>{"plain"});
+  CHECK(registry.applied_in(*model->block0->fc).empty());
+  CHECK(registry.applied_in(*other).size() == 1);
+  CHECK(registry.applied_in(*other)[0].module.get() == other.get());
+
+  // The first API, in application order, whose state manages the parameter.
+  auto owner = registry.api_managing(*model, w1);
+  REQUIRE(owner.has_value());
+  CHECK(owner->api == "shard");
+  CHECK(owner->module.get() == model->block1.get());
+  owner = registry.api_managing(*model, w1, "replicate");
+  REQUIRE(owner.has_value());
+  CHECK(owner->api == "replicate");
+  CHECK(owner->module.get() == model.get());
+  owner = registry.api_managing(*model, w0);
+  REQUIRE(owner.has_value());
+  CHECK(owner->api == "replicate");
+  CHECK_FALSE(registry.api_managing(*model, w0, "shard").has_value());
+  CHECK_FALSE(registry.api_managing(*model->block0, w0).has_value());  // "plain" manages nothing
+  CHECK_FALSE(registry.api_managing(*model, model->block0->fc->bias).has_value());
+  CHECK_FALSE(registry.api_managing(*model, other->block0->fc->weight).has_value());  // not in the tree
+
+  const AppliedApi* found = fsdp::contract::find_managing(all, w1);
+  REQUIRE(found != nullptr);
+  CHECK(found == &all[0]);
+  CHECK(fsdp::contract::find_managing(all, model->block1->fc->bias) == nullptr);
+
+  // A destroyed module's APIs are gone from the queries.
+  other = nullptr;
+  CHECK(registry.applied_in(*model).size() == 3);
+}
+
+TEST_CASE("declare_exclusive records exclusions, mirrored in both orders, and refuses conflicting reasons") {
+  fsdp::contract::declare_exclusive({.api = "excl.a",
+                                     .existing = "excl.b",
+                                     .same_module = true,
+                                     .both_orders = true,
+                                     .why = "a and b never share a module"});
+  fsdp::contract::declare_exclusive({.api = "excl.a",
+                                     .existing = "excl.b",
+                                     .same_module = false,
+                                     .around = true,
+                                     .both_orders = true,
+                                     .why = "expected a outside every b"});
+  // Again, identically: nothing changes.
+  fsdp::contract::declare_exclusive({.api = "excl.a",
+                                     .existing = "excl.b",
+                                     .same_module = true,
+                                     .both_orders = true,
+                                     .why = "a and b never share a module"});
+
+  const auto a = fsdp::contract::exclusions_of("excl.a");
+  REQUIRE(a.size() == 2);
+  CHECK(a[0].existing == "excl.b");
+  CHECK((a[0].same_module && !a[0].around && !a[0].inside && !a[0].both_orders));
+  CHECK(a[0].why == "a and b never share a module");
+  CHECK(a[1].existing == "excl.b");
+  CHECK((!a[1].same_module && a[1].around && !a[1].inside));
+  CHECK(a[1].why == "expected a outside every b");
+  const auto b = fsdp::contract::exclusions_of("excl.b");
+  REQUIRE(b.size() == 2);
+  CHECK(b[0].existing == "excl.a");
+  CHECK((b[0].same_module && !b[0].around && !b[0].inside));
+  CHECK(b[1].existing == "excl.a");
+  CHECK((!b[1].same_module && !b[1].around && b[1].inside));  // around, seen from the other side
+  CHECK(fsdp::contract::exclusions_of("excl.none").empty());
+
+  CHECK(error_of([] {
+          fsdp::contract::declare_exclusive(
+              {.api = "excl.a", .existing = "excl.b", .same_module = true, .why = "another reason"});
+        }) == "fsdp::contract::declare_exclusive: 'excl.a' where 'excl.b' is applied was declared exclusive "
+              "twice at the same place with different reasons (\"a and b never share a module\" and \"another "
+              "reason\"); expected one reason per place");
+  CHECK(error_of([] {
+          fsdp::contract::declare_exclusive({.api = "excl.a", .existing = "excl.a", .why = "itself"});
+        }).find("'excl.a' on the same module as itself is refused by every API already") != std::string::npos);
+  CHECK(error_of([] {
+          fsdp::contract::declare_exclusive({.api = "excl.a", .existing = "excl.c", .same_module = false, .why = "x"});
+        }).find("expected at least one place") != std::string::npos);
+  CHECK(error_of([] { fsdp::contract::declare_exclusive({.api = "excl.a", .existing = "excl.c"}); })
+            .find("expected a reason") != std::string::npos);
+  CHECK(fsdp::contract::exclusions_of("excl.a").size() == 2);  // the refused declarations left nothing
+}
+
+TEST_CASE("check_exclusions refuses an API where an exclusive one is applied: same module, around, inside") {
+  fsdp::contract::declare_exclusive({.api = "excl.d",
+                                     .existing = "excl.e",
+                                     .same_module = true,
+                                     .around = true,
+                                     .both_orders = true,
+                                     .why = "expected d and e apart"});
+  fsdp::contract::declare_exclusive({.api = "excl.f",
+                                     .existing = "excl.f",
+                                     .same_module = false,
+                                     .around = true,
+                                     .inside = true,
+                                     .why = "expected one f per tree"});
+  ModuleStateRegistry registry;
+  Model model;
+  registry.insert(*model, "excl.root", std::make_shared<ApiState>());  // names modules from the root
+  registry.insert(*model->block0, "excl.e", std::make_shared<ApiState>());
+
+  // On the module itself.
+  CHECK(error_of([&] { registry.check_exclusions(*model->block0, "excl.d"); }) ==
+        std::string("excl.d: module 'block0' ") + kBlock + " already has excl.e applied; expected d and e apart");
+  // The caller's name starts the message.
+  CHECK(error_of([&] { registry.check_exclusions(*model->block0, "excl.d", "apply_d"); }) ==
+        std::string("apply_d: module 'block0' ") + kBlock + " already has excl.e applied; expected d and e apart");
+  // Inside a module that has excl.e.
+  CHECK(error_of([&] { registry.check_exclusions(*model->block0->fc, "excl.d"); }) ==
+        std::string("excl.d: module 'block0.fc' (torch::nn::LinearImpl) is inside 'block0' ") + kBlock +
+            ", which excl.e was applied to; expected d and e apart");
+  // Mirrored: excl.e around a module that has excl.d.
+  registry.insert(*model->block1->fc, "excl.d", std::make_shared<ApiState>());
+  CHECK(error_of([&] { registry.check_exclusions(*model->block1, "excl.e"); }) ==
+        std::string("excl.e: module 'block1' ") + kBlock +
+            " contains 'fc' (torch::nn::LinearImpl), which excl.d was applied to; expected d and e apart");
+  // Allowed: d around e (not declared), e beside d, an API without exclusions.
+  CHECK(error_of([&] { registry.check_exclusions(*model, "excl.d"); }) == fsdp::testing::kNoError);
+  CHECK(error_of([&] { registry.check_exclusions(*model->block0->fc, "excl.e"); }) == fsdp::testing::kNoError);
+  CHECK(error_of([&] { registry.check_exclusions(*model->block0, "excl.none"); }) == fsdp::testing::kNoError);
+
+  // An API excluding itself around and inside: never on the module itself (check_not_applied's job).
+  registry.insert(*model->block1, "excl.f", std::make_shared<ApiState>());
+  CHECK(error_of([&] { registry.check_exclusions(*model, "excl.f"); }) ==
+        std::string("excl.f: module '<root>' ") + kModel + " contains 'block1' " + kBlock +
+            ", which excl.f was applied to; expected one f per tree");
+  CHECK(error_of([&] { registry.check_exclusions(*model->block1->fc, "excl.f"); }) ==
+        std::string("excl.f: module 'block1.fc' (torch::nn::LinearImpl) is inside 'block1' ") + kBlock +
+            ", which excl.f was applied to; expected one f per tree");
+  CHECK(error_of([&] { registry.check_exclusions(*model->block1, "excl.f"); }) == fsdp::testing::kNoError);
+  CHECK(error_of([&] { registry.check_exclusions(*model->block0, "excl.f"); }) == fsdp::testing::kNoError);
+}
