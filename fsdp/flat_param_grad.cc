@@ -1,0 +1,309 @@
+#include "fsdp_cpp/fsdp/flat_param_grad.h"
+
+#include <utility>
+
+#include <ATen/record_function.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+#include "fsdp_cpp/contract/shape_text.h"
+
+namespace fsdp {
+namespace {
+
+// The division by the world size split into a factor before the reduction and one after, so a
+// 16-bit sum neither overflows nor underflows (FSDP's predivide factor); 1 and W otherwise.
+std::pair<double, double> divide_factors(int world, c10::ScalarType reduce_dtype) {
+  if (c10::elementSize(reduce_dtype) >= 4) return {1.0, static_cast<double>(world)};
+  int factor = 1;
+  while (world % factor == 0 && world / factor > factor) factor *= 2;
+  return {static_cast<double>(factor), static_cast<double>(world) / factor};
+}
+
+}  // namespace
+
+FlatParamGrad::FlatParamGrad(const FlatParamStorage& storage,
+                             std::shared_ptr<comm::Communicator> comm,
+                             const FlatParamHandleOptions& options,
+                             std::shared_ptr<DeviceStreams> streams,
+                             std::vector<at::Tensor> initial_grads)
+    : storage_(storage), comm_(std::move(comm)), replicate_(options.replicate),
+      streams_(std::move(streams)),
+      reduce_dtype_(options.reduce_dtype.value_or(storage.compute_dtype())) {
+  // Gradients the parameters already held (a backward before fully_shard) are sharded too.
+  bool any_grad = false;
+  for (const auto& g : initial_grads) any_grad |= g.defined();
+  if (any_grad && storage_.requires_grad()) {
+    const FlatParamLayout& layout = storage_.layout();
+    at::Tensor sharded_grad = at::zeros({layout.shard_numel()}, storage_.local_shard().options());
+    c10::NoGradGuard no_grad;
+    for (size_t i = 0; i < initial_grads.size(); ++i) {
+      const auto& s = storage_.slice(i);
+      if (initial_grads[i].defined() && s.size() > 0) {
+        sharded_grad.narrow(0, s.shard_offset, s.size())
+            .copy_(initial_grads[i].reshape({-1}).narrow(0, s.param_begin, s.size()));
+      }
+    }
+    set_sharded_views(sharded_grad);
+  }
+}
+
+at::Tensor FlatParamGrad::sharded() const {
+  // The parameters' `.grad` are the truth (nothing here keeps a reference, so zero_grad with
+  // set_to_none frees the gradient): they are the sharded gradient when they are all views of
+  // one flat storage at their places.
+  const auto& params = storage_.params();
+  const c10::StorageImpl* storage = nullptr;
+  int64_t base_offset = 0;
+  at::Tensor any;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& g = params[i].param.grad();
+    if (!g.defined()) return {};
+    if (g.numel() == 0) continue;
+    if (!g.is_contiguous() || g.sizes() != at::IntArrayRef(storage_.sharded_shape(i))) return {};
+    const int64_t offset = g.storage_offset() - storage_.slice(i).shard_offset;
+    if (storage == nullptr) {
+      storage = g.storage().unsafeGetStorageImpl();
+      base_offset = offset;
+      any = g;
+    } else if (g.storage().unsafeGetStorageImpl() != storage || offset != base_offset) {
+      return {};
+    }
+  }
+  if (storage == nullptr) return {};  // this rank holds no element of any parameter
+  const int64_t shard_numel = storage_.layout().shard_numel();
+  if (static_cast<int64_t>(any.storage().nbytes()) <
+      (base_offset + shard_numel) * static_cast<int64_t>(any.element_size())) {
+    return {};
+  }
+  at::Tensor flat = at::empty({0}, any.options());
+  flat.set_(any.storage(), base_offset, {shard_numel}, {1});
+  return flat;
+}
+
+size_t FlatParamGrad::sharded_bytes() const {
+  const at::Tensor g = sharded();
+  if (g.defined()) return g.nbytes();
+  size_t bytes = 0;  // gradients autograd wrote directly (passthrough), or replaced by the user
+  for (const auto& p : storage_.params()) bytes += p.param.grad().defined() ? p.param.grad().nbytes() : 0;
+  return bytes;
+}
+
+size_t FlatParamGrad::accumulated_bytes() const {
+  return accumulated_grad_.defined() ? accumulated_grad_.nbytes() : 0;
+}
+
+size_t FlatParamGrad::buffer_bytes() const {
+  size_t bytes = grad_buffer_.defined() ? grad_buffer_.nbytes() : 0;
+  if (reduce_input_.defined()) bytes += reduce_input_.nbytes();
+  if (reduce_output_.defined() && !reduce_output_.is_same(reduce_input_)) bytes += reduce_output_.nbytes();
+  return bytes;
+}
+
+void FlatParamGrad::prepare_for_backward() {
+  if (grads_prepared_ || !storage_.requires_grad()) return;
+  grads_prepared_ = true;
+  const auto& params = storage_.params();
+  bool any = false;
+  for (const auto& p : params) any |= p.param.grad().defined();
+  at::Tensor held = any ? sharded() : at::Tensor();
+  if (any && !held.defined()) {
+    // Some gradients are missing (zeros) or were replaced by the user (written back).
+    held = at::zeros({storage_.layout().shard_numel()}, storage_.local_shard().options());
+    c10::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& g = params[i].param.grad();
+      if (!g.defined()) continue;
+      const auto& s = storage_.slice(i);
+      const auto shape = storage_.sharded_shape(i);
+      TORCH_CHECK(g.sizes() == at::IntArrayRef(shape), "fully_shard: the gradient of '",
+                  params[i].fqn, "' in unit '", storage_.unit_fqn(), "' has shape ", g.sizes(),
+                  " while sharded; expected this rank's shard of it, of shape ",
+                  contract::shape_string(shape));
+      held.narrow(0, s.shard_offset, s.size()).copy_(g.reshape({-1}));
+    }
+  }
+  saved_grad_ = held;
+  for (auto& p : params) p.param.mutable_grad() = at::Tensor();
+  finalized_in_pass_ = false;
+}
+
+void FlatParamGrad::prepare_buffer() {
+  if (!storage_.requires_grad() || !grads_prepared_ || grad_buffer_.defined()) return;
+  // Autograd adds in place into a gradient that is already defined (outside grad mode), so each
+  // parameter's gradient lands directly in its place of the flat buffer: no full-shape gradient
+  // per parameter is kept, and none is copied. Only when gradients are reduced in the dtype
+  // they are computed in; otherwise they are converted while being copied in.
+  if (reduce_dtype_ != storage_.compute_dtype()) return;
+  const FlatParamLayout& layout = storage_.layout();
+  const auto options =
+      storage_.local_shard().options().dtype(storage_.compute_dtype()).device(storage_.compute_device());
+  grad_buffer_ = at::zeros({layout.padded_numel}, options);
+  const auto& params = storage_.params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& e = layout.entries[i];
+    params[i].param.mutable_grad() = FlatParamStorage::storage_slice(grad_buffer_, e.offset, e.shape);
+  }
+}
+
+at::Tensor FlatParamGrad::take_unsharded() {
+  c10::NoGradGuard no_grad;
+  const FlatParamLayout& layout = storage_.layout();
+  const auto& params = storage_.params();
+  at::Tensor flat;
+  if (grad_buffer_.defined()) {
+    flat = std::move(grad_buffer_);
+    grad_buffer_ = at::Tensor();
+    for (size_t i = 0; i < params.size(); ++i) {
+      at::Tensor& g = params[i].param.mutable_grad();
+      const auto& e = layout.entries[i];
+      if (g.defined() && !FlatParamStorage::is_view_at(g, flat, e.offset, e.shape)) {  // replaced by the user
+        TORCH_CHECK(g.numel() == e.numel, "fully_shard: the gradient of '", params[i].fqn,
+                    "' in unit '", storage_.unit_fqn(), "' has ", g.numel(),
+                    " elements after backward; expected the full parameter's ", e.numel);
+        flat.narrow(0, e.offset, e.numel).copy_(g.reshape({-1}));
+      }
+      g = at::Tensor();
+    }
+    return flat.scalar_type() == reduce_dtype_ ? flat : flat.to(reduce_dtype_);
+  }
+  // The padded flat gradient: each parameter's gradient copied to its place, zeros only where
+  // nothing is copied (alignment, tail, parameters without one).
+  flat = at::empty({layout.padded_numel},
+                   storage_.local_shard().options().dtype(reduce_dtype_).device(storage_.compute_device()));
+  int64_t cursor = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    at::Tensor& g = params[i].param.mutable_grad();
+    const auto& e = layout.entries[i];
+    if (e.offset > cursor) flat.narrow(0, cursor, e.offset - cursor).zero_();
+    cursor = e.offset + e.numel;
+    at::Tensor region = flat.narrow(0, e.offset, e.numel);
+    if (!g.defined()) {
+      region.zero_();
+      continue;
+    }
+    TORCH_CHECK(g.numel() == e.numel, "fully_shard: the gradient of '", params[i].fqn,
+                "' in unit '", storage_.unit_fqn(), "' has ", g.numel(),
+                " elements after backward; expected the full parameter's ", e.numel);
+    region.copy_(g.reshape({-1}));
+    g = at::Tensor();  // the unsharded gradient is not kept on the parameter
+  }
+  if (cursor < layout.padded_numel) flat.narrow(0, cursor, layout.padded_numel - cursor).zero_();
+  return flat;
+}
+
+void FlatParamGrad::reduce(bool sync) {
+  if (!storage_.requires_grad()) return;
+  RECORD_USER_SCOPE("FSDP::reduce_scatter");
+  finalize();  // one reduction in flight per handle
+  at::Tensor flat = take_unsharded();
+  if (!sync) {
+    // Accumulated across backward passes in the reduce dtype; reduced by the next synchronised one.
+    accumulated_in_pass_ = true;
+    if (accumulated_grad_.defined()) {
+      accumulated_grad_.add_(flat);
+    } else {
+      accumulated_grad_ = flat;
+    }
+    return;
+  }
+  if (accumulated_grad_.defined()) {
+    flat.add_(accumulated_grad_);
+    accumulated_grad_ = at::Tensor();
+  }
+  const int world = comm_->size();
+  const auto [pre, post] = divide_factors(world, reduce_dtype_);
+  if (pre != 1.0) flat.div_(pre);
+  post_divide_ = post;
+  const bool shard = storage_.sharded();
+  // Held until finalize(), after the compute stream waited for the reduction.
+  reduce_input_ = flat;
+  reduce_output_ = shard ? at::empty({storage_.layout().shard_numel()}, flat.options()) : reduce_input_;
+  if (world == 1) return;  // nothing to communicate: the flat gradient is the sharded one
+  const std::string& tag = storage_.unit_fqn();
+  streams_->on_reduce_stream([&] {
+    pending_reduce_ =
+        shard ? comm_->reduce_scatter_tensor(reduce_output_, reduce_input_, c10d::ReduceOp::SUM, tag)
+              : comm_->all_reduce(reduce_output_, c10d::ReduceOp::SUM, tag);
+  });
+}
+
+void FlatParamGrad::finalize() {
+  if (!reduce_output_.defined()) return;
+  RECORD_USER_SCOPE("FSDP::post_reduce");
+  if (pending_reduce_.valid()) {
+    streams_->hand_reduce_to_compute([&] { pending_reduce_.wait(); });
+    pending_reduce_ = {};
+  }
+  // Only now: the compute stream, where it was allocated, has waited for the reduction reading it.
+  reduce_input_ = at::Tensor();
+  c10::NoGradGuard no_grad;
+  const at::Tensor& shard = storage_.local_shard();
+  // Gradients are in the parameters' dtype after sync, whatever dtype they were reduced in.
+  at::Tensor grad = reduce_output_.to(shard.scalar_type());
+  reduce_output_ = at::Tensor();
+  if (post_divide_ != 1.0) grad.div_(post_divide_);
+  if (replicated()) {
+    // Hybrid sharding: average the shard-group gradients across the replicate group.
+    replicate_->all_reduce(grad, c10d::ReduceOp::SUM, storage_.unit_fqn()).wait();
+    grad.div_(replicate_->size());
+  }
+  grad = grad.to(shard.device());  // host memory with offload
+  // The gradient set aside before backward is kept until the backward pass is committed, so that
+  // a failed pass can restore it.
+  if (saved_grad_.defined()) grad.add_(saved_grad_);
+  set_sharded_views(grad);
+  finalized_in_pass_ = true;
+}
+
+void FlatParamGrad::commit() {
+  if (!finalized_in_pass_ && saved_grad_.defined()) {
+    // No synchronised reduction this pass (accumulating without sync): the set-aside gradient
+    // is this handle's gradient again.
+    set_sharded_views(saved_grad_);
+  }
+  finalized_in_pass_ = false;
+  saved_grad_ = at::Tensor();
+  grads_prepared_ = false;
+  accumulated_in_pass_ = false;
+}
+
+void FlatParamGrad::wait_for_reduction() {
+  if (pending_reduce_.valid()) {  // never free buffers a collective still uses
+    streams_->hand_reduce_to_compute([&] { pending_reduce_.wait(); });
+    pending_reduce_ = {};
+  }
+}
+
+void FlatParamGrad::discard() {
+  wait_for_reduction();
+  reduce_input_ = at::Tensor();
+  reduce_output_ = at::Tensor();
+  grad_buffer_ = at::Tensor();
+  // The failed pass may have added into the gradients accumulated without sync: drop them all
+  // rather than keep part of a backward pass.
+  if (accumulated_in_pass_) accumulated_grad_ = at::Tensor();
+  accumulated_in_pass_ = false;
+  if (!grads_prepared_) return;
+  // Back to the gradients held before the failed backward pass.
+  if (saved_grad_.defined()) {
+    set_sharded_views(saved_grad_);
+  } else {
+    for (const auto& p : storage_.params()) p.param.mutable_grad() = at::Tensor();
+  }
+  saved_grad_ = at::Tensor();
+  grads_prepared_ = false;
+  finalized_in_pass_ = false;
+}
+
+void FlatParamGrad::set_sharded_views(const at::Tensor& grad) {
+  const auto& params = storage_.params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    params[i].param.mutable_grad() =
+        FlatParamStorage::storage_slice(grad, storage_.slice(i).shard_offset, storage_.sharded_shape(i));
+  }
+}
+
+}  // namespace fsdp
