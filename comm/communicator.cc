@@ -1,4 +1,4 @@
-#include "comm/communicator.h"
+#include "fsdp_cpp/comm/communicator.h"
 
 #include <cstring>
 
@@ -7,7 +7,7 @@
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
-#include "comm/issuing_api.h"
+#include "fsdp_cpp/comm/issuing_api.h"
 
 namespace fsdp::comm {
 namespace {
@@ -79,14 +79,14 @@ void Communicator::record_completion(const PendingCollective& pending) {
 
 PendingCollective Communicator::all_gather_into_tensor(at::Tensor output, at::Tensor input,
                                                        std::string tag) {
-  IssuingApi api(tag_label(tag));
+  IssuingApi api(tag_label(tag), tag);
   auto work = backend_->_allgather_base(output, input);
   return record_issue(std::move(work), CollectiveKind::kAllGather, nbytes(output), std::move(tag));
 }
 
 PendingCollective Communicator::reduce_scatter_tensor(at::Tensor output, at::Tensor input,
                                                       c10d::ReduceOp op, std::string tag) {
-  IssuingApi api(tag_label(tag));
+  IssuingApi api(tag_label(tag), tag);
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = op;
   auto work = backend_->_reduce_scatter_base(output, input, opts);
@@ -94,7 +94,7 @@ PendingCollective Communicator::reduce_scatter_tensor(at::Tensor output, at::Ten
 }
 
 PendingCollective Communicator::all_reduce(at::Tensor tensor, c10d::ReduceOp op, std::string tag) {
-  IssuingApi api(tag_label(tag));
+  IssuingApi api(tag_label(tag), tag);
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions opts;
   opts.reduceOp = op;
@@ -103,7 +103,7 @@ PendingCollective Communicator::all_reduce(at::Tensor tensor, c10d::ReduceOp op,
 }
 
 PendingCollective Communicator::broadcast(at::Tensor tensor, int root, std::string tag) {
-  IssuingApi api(tag_label(tag));
+  IssuingApi api(tag_label(tag), tag);
   std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
@@ -113,7 +113,7 @@ PendingCollective Communicator::broadcast(at::Tensor tensor, int root, std::stri
 
 PendingCollective Communicator::all_gather(std::vector<at::Tensor> outputs, at::Tensor input,
                                            std::string tag) {
-  IssuingApi api(tag_label(tag));
+  IssuingApi api(tag_label(tag), tag);
   std::vector<std::vector<at::Tensor>> outs{std::move(outputs)};
   std::vector<at::Tensor> ins{input};
   auto work = backend_->allgather(outs, ins);
@@ -123,7 +123,7 @@ PendingCollective Communicator::all_gather(std::vector<at::Tensor> outputs, at::
 
 std::vector<std::vector<uint8_t>> Communicator::all_gather_bytes(const std::vector<uint8_t>& local,
                                                                  std::string tag) {
-  IssuingApi api(tag_label(tag));
+  IssuingApi api(tag_label(tag), tag);
   // Two even-sized all-gathers (the backends' fast path): the sizes, then the buffers padded to the
   // largest. Counted once, as the padded payload.
   const auto long_opts = at::TensorOptions().dtype(at::kLong).device(device_);

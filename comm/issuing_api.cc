@@ -1,4 +1,4 @@
-#include "comm/issuing_api.h"
+#include "fsdp_cpp/comm/issuing_api.h"
 
 #include <utility>
 
@@ -7,7 +7,8 @@ namespace {
 thread_local IssuingApi* t_innermost = nullptr;
 }  // namespace
 
-IssuingApi::IssuingApi(std::string label) : label_(std::move(label)), outer_(t_innermost) {
+IssuingApi::IssuingApi(std::string label, std::string tag)
+    : label_(std::move(label)), tag_(std::move(tag)), outer_(t_innermost) {
   t_innermost = this;
 }
 
@@ -21,6 +22,14 @@ std::string IssuingApi::current() {
     joined = joined.empty() ? scope->label_ : scope->label_ + " > " + joined;
   }
   return joined;
+}
+
+const std::string& IssuingApi::current_tag() {
+  static const std::string kNone;
+  for (const IssuingApi* scope = t_innermost; scope != nullptr; scope = scope->outer_) {
+    if (!scope->tag_.empty()) return scope->tag_;
+  }
+  return kNone;
 }
 
 }  // namespace fsdp::comm

@@ -12,7 +12,10 @@
 //     comm.all_reduce(t).wait();   // a timeout report says "issued by fsdp::dcp::save"
 //   }
 //
-// Thread-local and cheap (one string per scope); it changes no behaviour, only messages.
+// Thread-local and cheap (one string per scope). The innermost scope's tag (the Communicator's tag of
+// the collective being issued: a unit's FQN, ...) is also what the MPI backend compares across ranks
+// ([Note: MPI size check]): ranks that issue equal-sized collectives for different units fail there
+// instead of exchanging the wrong data.
 
 #include <string>
 
@@ -20,7 +23,8 @@ namespace fsdp::comm {
 
 class IssuingApi {
  public:
-  explicit IssuingApi(std::string label);
+  /// `tag`: the collective's own tag (rank-independent, e.g. a unit's FQN), or empty.
+  explicit IssuingApi(std::string label, std::string tag = {});
   ~IssuingApi();
   IssuingApi(const IssuingApi&) = delete;
   IssuingApi& operator=(const IssuingApi&) = delete;
@@ -29,8 +33,12 @@ class IssuingApi {
   /// none is.
   static std::string current();
 
+  /// The tag of the innermost scope that has one; empty when none has.
+  static const std::string& current_tag();
+
  private:
   std::string label_;
+  std::string tag_;
   IssuingApi* outer_;
 };
 

@@ -1,4 +1,4 @@
-#include "comm/mpi_backend.h"
+#include "fsdp_cpp/comm/mpi_backend.h"
 
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/empty.h>
@@ -9,10 +9,10 @@
 #include <cstdlib>
 #include <memory>
 
-#include "comm/issuing_api.h"
-#include "comm/mpi_progress.h"
-#include "comm/mpi_runtime.h"
-#include "comm/mpi_types.h"
+#include "fsdp_cpp/comm/issuing_api.h"
+#include "fsdp_cpp/comm/mpi_progress.h"
+#include "fsdp_cpp/comm/mpi_runtime.h"
+#include "fsdp_cpp/comm/mpi_types.h"
 
 namespace fsdp::comm {
 namespace {
@@ -128,13 +128,28 @@ int to_count(int64_t numel, const char* collective) {
 // same one with different sizes: a sender with more data than the receiver expects gives
 // MPI_ERR_TRUNCATE on some ranks while others wait forever, and one with less may even complete
 // with garbage. So before a collective runs, the ranks exchange what they are about to run (kind,
-// dtype, element count, root or reduce op) with one MPI_Iallreduce(MAX) of 8 integers, each field
+// dtype, element count, root or reduce op, and a hash of the collective's tag: the unit's FQN for
+// fully_shard's collectives, so that equal-sized collectives of different units, e.g. an expert
+// called on some ranks only, fail here instead of exchanging the wrong parameters) with one
+// MPI_Iallreduce(MAX) of 10 integers, each field
 // also negated: the maximum of -x is minus the minimum of x, so every rank learns the range of
 // every field and sees a mismatch at the same collective. The exchange runs on a communicator of
 // its own (the check for the next collective can be in flight while this one runs), and the
 // collective itself starts only once its check passed, in submission order ([Note: MPI progress]).
 // A mismatch fails the collective on every rank, and since it ran nowhere the group stays usable.
-constexpr int kCheckFields = 4;  // kind, dtype, count, root or reduce op
+constexpr int kCheckFields = 5;  // kind, dtype, count, root or reduce op, tag hash
+
+// FNV-1a, kept to 62 bits so that the negated field stays representable: the same in every process
+// (std::hash makes no such promise across builds).
+int64_t tag_hash(const std::string& tag) {
+  if (tag.empty()) return 0;
+  uint64_t h = 1469598103934665603ULL;
+  for (unsigned char c : tag) {
+    h ^= c;
+    h *= 1099511628211ULL;
+  }
+  return static_cast<int64_t>(h >> 2);
+}
 
 struct SizeCheck {
   std::array<int64_t, 2 * kCheckFields> mine{};
@@ -169,12 +184,14 @@ const char* field_name(int field, c10d::OpType type) {
     case 1: return "dtype";
     case 2: return "element count per rank";
     case 3: return type == c10d::OpType::BROADCAST ? "root rank" : "reduce op";
+    case 4: return "tag";
     default: return "collective";
   }
 }
 
 // Throws when the exchanged ranges show that the ranks' descriptions differ.
-void verify_size_check(const SizeCheck& check, c10d::OpType type, const std::string& description) {
+void verify_size_check(const SizeCheck& check, c10d::OpType type, const std::string& description,
+                       const std::string& tag) {
   std::string differences;
   const int64_t min_kind = -check.max[kCheckFields];
   const int64_t max_kind = check.max[0];
@@ -188,7 +205,7 @@ void verify_size_check(const SizeCheck& check, c10d::OpType type, const std::str
     }
     differences = std::string("this rank issued ") + kind_name(mine) + ", another rank " + others;
   } else {
-    for (int field = 1; field < kCheckFields; ++field) {
+    for (int field = 1; field < kCheckFields - 1; ++field) {
       const int64_t lo = -check.max[kCheckFields + field];
       const int64_t hi = check.max[field];
       if (lo == hi) continue;
@@ -196,6 +213,16 @@ void verify_size_check(const SizeCheck& check, c10d::OpType type, const std::str
       differences += fmt::format("the {} differs across ranks: from {} to {} (this rank: {})",
                                  field_name(field, type), field_value(field, lo, type),
                                  field_value(field, hi, type), field_value(field, check.mine[field], type));
+    }
+    // The tag is hashed: each rank can name only its own.
+    constexpr int kTag = kCheckFields - 1;
+    if (-check.max[kCheckFields + kTag] != check.max[kTag]) {
+      if (!differences.empty()) differences += "; ";
+      differences += fmt::format(
+          "the tag differs across ranks (this rank: {}; another rank issued it for another unit or "
+          "object). A unit called on some ranks only, e.g. an expert that got no tokens or a tower "
+          "whose input is absent on some ranks, must still be called on every rank (with an empty "
+          "batch)", tag.empty() ? std::string("no tag") : "'" + tag + "'");
     }
   }
   if (differences.empty()) return;
@@ -317,9 +344,10 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::enqueue(c10d::OpType type, const char
   if (check_sizes_.load()) {
     // [Note: MPI size check]
     auto check = std::make_shared<SizeCheck>();
+    const std::string& tag = IssuingApi::current_tag();
     const std::array<int64_t, kCheckFields> fields = {static_cast<int64_t>(type),
                                                       static_cast<int64_t>(shape.dtype), shape.count,
-                                                      shape.param};
+                                                      shape.param, tag_hash(tag)};
     for (int i = 0; i < kCheckFields; ++i) {
       check->mine[i] = fields[i];
       check->mine[kCheckFields + i] = -fields[i];
@@ -329,8 +357,8 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::enqueue(c10d::OpType type, const char
       return MPI_Iallreduce(check->mine.data(), check->max.data(), 2 * kCheckFields, MPI_INT64_T, MPI_MAX,
                             check_comm, r);
     };
-    op.check_verify = [check, type, description = op.description] {
-      verify_size_check(*check, type, description);
+    op.check_verify = [check, type, description = op.description, tag] {
+      verify_size_check(*check, type, description, tag);
     };
   }
   op.start = std::move(start);

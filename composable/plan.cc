@@ -425,6 +425,16 @@ ShardingPlan plan(torch::nn::Module& root_module, const PlanOptions& options) {
       *std::max_element(tally.offloaded_optimizer_per_rank.begin(), tally.offloaded_optimizer_per_rank.end()) -
       tally.offloaded_optimizer_per_rank[static_cast<size_t>(result.rank)];
 
+  // Each backward pass begins with the ranks agreeing where it reaches the units ([Note: backward
+  // reach] in fsdp/backward_reach.h): 2 int64 per unit and 2 more, over each group of several ranks.
+  if (!tally.passthrough) {
+    const int64_t agreement_bytes = (2 * static_cast<int64_t>(states.size()) + 2) * 8;
+    for (const int group_size : {shard_size, root_config.replicate ? root_config.replicate->size() : 1}) {
+      if (group_size < 2) continue;
+      result.communication.all_reduce.calls += 1;
+      result.communication.all_reduce.bytes += agreement_bytes;
+    }
+  }
   plan_unsharded_params(result);
   if (!tally.passthrough) plan_unsharded_grads(result);
   plan_tied_and_unmanaged(root_module, states, result);

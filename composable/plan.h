@@ -40,8 +40,10 @@
 //    sharded unit is all-gathered in forward, and again in backward unless it is the root or kept
 //    unsharded (SHARD_GRAD_OP); every trainable sharded handle is reduce-scattered; NO_SHARD
 //    handles are all-reduced; with HSDP the sharded gradient is then all-reduced across replicas
-//    (in the parameters' dtype). Frozen handles get no reduction. On one rank nothing is
-//    communicated. Assumes each unit runs once per forward and is reached by backward; the first
+//    (in the parameters' dtype). Frozen handles get no reduction. Each backward pass begins with
+//    one all-reduce of 2 int64 per unit (and 2 more) over the shard group, and one over the
+//    replicate group with HSDP ([Note: backward reach] in fsdp/backward_reach.h). On one rank
+//    nothing is communicated. Assumes each unit runs once per forward and is reached by backward; the first
 //    iteration's small order checks (all_gather_bytes) are not counted.
 
 #include <cstdint>

@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
 
+#include "fsdp_cpp/fsdp/backward_reach.h"
 #include "fsdp_cpp/fsdp/divergence.h"
 #include "fsdp_cpp/fsdp/fsdp_state.h"
 #include "fsdp_cpp/fsdp/post_backward_function.h"
@@ -52,21 +53,6 @@ void reduce_unit(RootContext& context, FSDPState& unit) {
   unit.iteration().set_reduced();
 }
 
-// Whether autograd runs `node` in the backward pass now running: it is in the pass's graph and,
-// when the pass computes only some gradients (backward with inputs, autograd::grad), needed for
-// them (as torch.autograd.graph's _will_engine_execute_node decides). Asked only while the graph
-// task that began the pass runs; anything else is assumed to run.
-bool runs_in_current_pass(const RootContext& context, torch::autograd::Node* node) {
-  if (torch::autograd::get_current_graph_task_id() != context.reductions().graph_task()) return true;
-  const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
-  if (nodes == nullptr) return true;
-  if (nodes->count(node) == 0) return false;
-  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
-  if (exec_info == nullptr || exec_info->empty()) return true;
-  const auto it = exec_info->find(node);
-  return it != exec_info->end() && it->second.should_execute();
-}
-
 // Whether `unit`'s turn in the reduction order has come: its backward is complete, or this pass
 // will not reach it at all (a unit whose output the caller holds but the loss does not use; it
 // reduces zeros, as at the end of the pass). Only the timing of a reduction depends on it, never
@@ -82,9 +68,16 @@ bool ready_for_reduction(const RootContext& context, const FSDPState& unit) {
 struct ReductionSteps {
   RootContext& context;
 
+  // From what every rank agreed ([Note: backward reach]) and what is the same on every rank that
+  // reaches the unit, so that every rank gives the unit the same turn.
   BackwardReductionQueue::Turn turn(FSDPState& unit) const {
     using Turn = BackwardReductionQueue::Turn;
-    if (!unit.iteration().may_get_gradients() || !has_trainable_handle(unit)) return Turn::kSkip;
+    if (!has_trainable_handle(unit)) return Turn::kSkip;
+    switch (unit.iteration().pass_reach()) {
+      case PassReach::kNowhere: return Turn::kSkip;
+      case PassReach::kSomeRanks: return Turn::kDefer;  // its backward ends on some ranks only
+      case PassReach::kEveryRank: break;
+    }
     // Its backward end cannot be seen (a call's inputs needed no gradient).
     return unit.iteration().completes_at_end_of_backward() ? Turn::kDefer : Turn::kReduce;
   }
@@ -119,20 +112,43 @@ void end_of_backward(RootContext& context) {
 void begin_backward_pass(RootContext& context) {
   context.begin_backward_pass(torch::autograd::get_current_graph_task_id());
   torch::autograd::Engine::get_default_engine().queue_callback([c = &context] { end_of_backward(*c); });
+  for (FSDPState* unit : context.iteration_state().forward_order()) unit->iteration().begin_backward_pass();
+  // Checked iterations ([Note: divergence check]): a rank that skipped this backward, or runs
+  // another forward instead, is named before any collective of the pass. Not which unit's
+  // pre-backward began it: that may differ across ranks (a unit's output returned as the root's
+  // output on some ranks only).
+  if (context.divergence().enabled()) context.check_ranks_agree(Fingerprint("began a backward pass"));
+  agree_backward_reach(context);  // collective: every rank is at its first pre-backward of the pass
   for (FSDPState* unit : context.iteration_state().forward_order()) {
-    unit->iteration().begin_backward_pass();
-    if (!unit->iteration().may_get_gradients()) continue;
+    const PassReach reach = unit->iteration().pass_reach();
+    if (reach == PassReach::kNowhere) continue;
     for (const auto& handle : unit->handles()) handle->prepare_gradients_for_backward();
+    // Reached on some ranks only: all-gathered now, in forward order, by every rank (those the pass
+    // does not reach issue no pre-backward), and kept unsharded until the end of the pass.
+    if (reach == PassReach::kSomeRanks) context.scheduler().start_unshard(*unit);
   }
+}
+
+// Checked iterations ([Note: divergence check]): before each backward all-gather, whether a
+// pre-backward or a prefetch issues it (the two may differ across ranks when the pass reaches
+// units in a different order), every rank must be gathering the same unit with the same sizes.
+void check_before_backward_all_gather(RootContext& context, const FSDPState& unit) {
+  if (!context.divergence().enabled()) return;
+  Fingerprint f("all-gathers '" + unit.fqn() + "' for backward");
+  add_all_gather_fields(f, unit.handles(), /*needs_all_gather=*/true);
+  context.check_ranks_agree(std::move(f));
 }
 
 // Backward prefetch: the unit that ran before this one in forward runs its backward next.
 void prefetch_for_backward(RootContext& context, const FSDPState& unit) {
   const auto* explicit_targets = unit.backward_prefetch_targets();
   for (FSDPState* next : prefetch_targets(unit, explicit_targets, context.iteration_state().forward_order(), -1)) {
-    if (!next->iteration().reduced() && next->iteration().may_get_gradients()) {
-      context.scheduler().prefetch(*next, unit, explicit_targets == nullptr);
-    }
+    // Units reached on some ranks only were all-gathered when the pass began.
+    if (next->iteration().reduced() || next->iteration().pass_reach() != PassReach::kEveryRank) continue;
+    const bool bounded = explicit_targets == nullptr;
+    if (!context.scheduler().would_prefetch(*next, unit, bounded)) continue;
+    check_before_backward_all_gather(context, *next);
+    context.scheduler().prefetch(*next, unit, bounded);
   }
 }
 
@@ -158,13 +174,9 @@ void pre_backward(FSDPState& unit, int64_t tag) {
               "freed after its backward. Compute the gradients without create_graph.");
   check_current_iteration(unit, context, tag);
   if (context.iteration_state().phase() != IterationPhase::kBackward) begin_backward_pass(context);
-  // Checked iterations ([Note: divergence check]): a rank that skipped this backward, or runs
-  // another forward instead, is named before the backward all-gather.
-  if (context.divergence().enabled()) {
-    Fingerprint f("began the backward of '" + unit.fqn() + "'");
-    add_all_gather_fields(f, unit.handles(), !unit.is_unsharded() && !unit.unshard_in_flight());
-    context.check_ranks_agree(std::move(f));
-  }
+  // Only where this pre-backward issues the all-gather: the order of pre-backwards that issue none
+  // may differ across ranks (a unit's output returned as the root's output on some ranks only).
+  if (!unit.is_unsharded() && !unit.unshard_in_flight()) check_before_backward_all_gather(context, unit);
   TORCH_CHECK(!unit.iteration().reduced() || !has_trainable_handle(unit), "fully_shard: unit '", unit.fqn(),
               "' is reached by backward after its gradients were reduced in this backward pass; "
               "the gradients it would get now would be lost. A unit's forward outputs must stay "
@@ -185,9 +197,12 @@ void pre_backward(FSDPState& unit, int64_t tag) {
       reductions.set_awaiting_finalize(nullptr);
     }
   }
-  const bool was_reachable = unit.iteration().may_get_gradients();
   unit.iteration().call_pre_backward(tag_call(tag));
-  if (!was_reachable) {  // its outputs' nodes looked freed, yet backward reached it
+  if (unit.iteration().pass_reach() == PassReach::kNowhere) {
+    // Its outputs' nodes looked freed (or outside the pass) when the pass began, yet backward
+    // reached it: taken as reached on every rank, as the same program does the same on every rank
+    // (checked iterations compare it).
+    unit.iteration().set_pass_reach(PassReach::kEveryRank);
     for (const auto& handle : unit.handles()) handle->prepare_gradients_for_backward();
   }
   context.scheduler().unshard(unit);

@@ -231,8 +231,10 @@ void post_forward(FSDPState& state, c10::IValue& output) {
   const std::vector<at::Tensor> hooked = hook_outputs_for_backward(state, output);
   if (!state.is_root()) return;
   if (hide) show_all_params(context);
-  iteration.exit_root_forward();
+  // Before leaving the root's forward: if the ranks differ, the next root pre-forward finds the
+  // iteration still in it and discards it (reshards the root on every rank).
   if (context.divergence().enabled()) context.check_ranks_agree(Fingerprint("finished its forward"));
+  iteration.exit_root_forward();
   if (!any_unit_may_get_gradients(context)) {
     end_iteration_without_backward(context);
     return;

@@ -11,6 +11,7 @@ void UnitIteration::reset() {
   calls_.clear();
   post_forwards_ = 0;
   reduced_ = false;
+  pass_reach_ = PassReach::kEveryRank;
 }
 
 size_t UnitIteration::begin_call(bool grad_enabled, bool* first) {
@@ -47,6 +48,18 @@ bool UnitIteration::may_get_gradients() const {
 void UnitIteration::begin_backward_pass() {
   for (auto& c : calls_) c.running = c.done = c.reached = false;
   reduced_ = false;
+  pass_reach_ = PassReach::kEveryRank;
+}
+
+bool UnitIteration::reached_in_pass(const std::function<bool(torch::autograd::Node*)>& runs_in_pass) const {
+  return std::any_of(calls_.begin(), calls_.end(), [&](const Call& c) {
+    if (!live(c)) return false;
+    if (c.reached || c.nodes.empty()) return true;
+    return std::any_of(c.nodes.begin(), c.nodes.end(), [&](const auto& weak) {
+      const auto node = weak.lock();
+      return node && runs_in_pass(node.get());
+    });
+  });
 }
 
 void UnitIteration::call_pre_backward(size_t call) {

@@ -22,6 +22,15 @@
 
 namespace fsdp {
 
+/// Where the backward pass now running reaches a unit, agreed across the ranks when it began
+/// ([Note: backward reach] in fsdp/backward_reach.h).
+enum class PassReach {
+  kNowhere,    // on no rank: nothing to all-gather or reduce in this pass
+  kSomeRanks,  // on some ranks only: every rank all-gathers it when the pass begins and reduces it
+               // at the end of the pass (zeros where it was not reached)
+  kEveryRank,  // on every rank: all-gathered at its pre-backward, reduced in its turn
+};
+
 class UnitIteration {
  public:
   /// A new iteration: no calls, nothing reduced.
@@ -55,6 +64,14 @@ class UnitIteration {
   void call_post_backward(size_t call);
   /// Whether a call's backward is running (pre-backward ran, post-backward not yet).
   bool backward_running() const;
+  /// Whether the backward pass now running reaches this unit on this rank: a live call whose
+  /// pre-backward ran this pass, or whose outputs' nodes `runs_in_pass` holds for (a call whose
+  /// outputs are leaves counts as reached).
+  bool reached_in_pass(const std::function<bool(torch::autograd::Node*)>& runs_in_pass) const;
+  /// The reach agreed when this pass began (kEveryRank until then).
+  PassReach pass_reach() const { return pass_reach_; }
+  void set_pass_reach(PassReach reach) { pass_reach_ = reach; }
+
   /// Whether every live call that backward can reach has finished its backward this pass.
   bool backward_complete() const;
   /// backward_complete(), except that a live call this pass has not reached counts as finished
@@ -87,6 +104,7 @@ class UnitIteration {
   std::vector<Call> calls_;
   size_t post_forwards_ = 0;
   bool reduced_ = false;
+  PassReach pass_reach_ = PassReach::kEveryRank;
 };
 
 }  // namespace fsdp

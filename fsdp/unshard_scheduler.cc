@@ -71,13 +71,15 @@ void UnshardScheduler::start_unshard(FSDPState& unit) {
   note_unsharded_unit(unit);
 }
 
-void UnshardScheduler::prefetch(FSDPState& unit, const FSDPState& running, bool bounded) {
-  if (unit.is_unsharded() || unit.unshard_in_flight()) return;
+bool UnshardScheduler::would_prefetch(const FSDPState& unit, const FSDPState& running, bool bounded) const {
+  if (unit.is_unsharded() || unit.unshard_in_flight()) return false;
   const bool running_counts = &running != root_ && running.config().reshard_after_forward();
-  if (bounded && unit.config().reshard_after_forward() &&
-      unsharded_count(running) + (running_counts ? 1 : 0) >= max_unsharded_) {
-    return;
-  }
+  return !(bounded && unit.config().reshard_after_forward() &&
+           unsharded_count(running) + (running_counts ? 1 : 0) >= max_unsharded_);
+}
+
+void UnshardScheduler::prefetch(FSDPState& unit, const FSDPState& running, bool bounded) {
+  if (!would_prefetch(unit, running, bounded)) return;
   start_unshard(unit);
   note_unsharded(running);
 }

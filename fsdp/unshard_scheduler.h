@@ -38,6 +38,8 @@ class UnshardScheduler {
   /// Issues `unit`'s all-gather without waiting, while `running` runs; an implicit prefetch
   /// (`bounded`) is skipped when it would exceed max_unsharded().
   void prefetch(FSDPState& unit, const FSDPState& running, bool bounded);
+  /// Whether prefetch(unit, running, bounded) would issue an all-gather now.
+  bool would_prefetch(const FSDPState& unit, const FSDPState& running, bool bounded) const;
   /// Frees `unit`'s unsharded parameters (waits for an all-gather in flight first).
   void reshard(FSDPState& unit);
   /// A forward or backward threw and every unit was resharded: nothing is in flight.

@@ -128,3 +128,24 @@ FSDP_RANKS_TEST_CASE("a broadcast from different roots and an all-reduce of anot
   check_group_still_works();
   (void)W;
 }
+
+FSDP_RANKS_TEST_CASE("equal-sized all-gathers of different units fail on every rank, each naming its own unit",
+                     "[comm][mpi][mismatch]") {
+  const int W = world_size();
+  // As when a unit is called on some ranks only: the others gather the next unit, of the same size.
+  const std::string unit = last_rank() ? "experts.2" : "experts.1";
+  const std::string error = error_of([&] {
+    fsdp::comm::IssuingApi api("fully_shard pre-forward of unit '" + unit + "'");
+    world().all_gather_into_tensor(at::empty({W * 8}), at::ones({8}), unit).wait();
+  });
+  INFO(error);
+  CHECK_THAT(error, Contains("all_gather_into_tensor #") && Contains("collective tagged '" + unit + "'"));
+  CHECK_THAT(error, Contains("the tag differs across ranks (this rank: '" + unit + "'"));
+  CHECK_THAT(error, Contains("called on some ranks only"));
+  CHECK_THAT(error, !Contains("element count"));
+  // The same tag on every rank passes.
+  at::Tensor out = at::empty({W * 8});
+  world().all_gather_into_tensor(out, at::ones({8}), "experts.1").wait();
+  CHECK(out.equal(at::ones({W * 8})));
+  check_group_still_works();
+}

@@ -60,6 +60,12 @@ CollectiveCounts expected_counts(const std::vector<fsdp::FSDPModule>& units, int
       counts.all_reduces += replicate && replicate->size() > 1 && trainable ? 1 : 0;
     }
   }
+  // Each backward pass begins with the ranks agreeing where it reaches the units ([Note: backward
+  // reach] in fsdp/backward_reach.h): one small all-reduce over the root's communicator, and one
+  // over the replicate group under hybrid sharding.
+  const auto& root = fsdp::detail::state_of(units.back()).config();
+  counts.all_reduces += root.comm->size() > 1 ? 1 : 0;
+  counts.all_reduces += root.replicate && root.replicate->size() > 1 ? 1 : 0;
   return counts;
 }
 

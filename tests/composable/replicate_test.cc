@@ -410,11 +410,13 @@ FSDP_RANKS_TEST_CASE("replicate on the root + fully_shard on the blocks", "[repl
         // Each block is its own fully_shard root (no unit above it) running inside the replicated
         // model's forward, so it reshards after forward like any unit: FULL_SHARD all-gathers
         // it in forward and again in backward, SHARD_GRAD_OP once; one reduce-scatter; NO_SHARD:
-        // one all-reduce. On one rank a unit communicates nothing.
+        // one all-reduce. On one rank a unit communicates nothing. Each root's backward pass
+        // also begins with one small all-reduce ([Note: backward reach] in fsdp/backward_reach.h).
         const int64_t blocks = W > 1 ? 3 : 0;
         if (strategy == fsdp::ShardingStrategy::kNoShard) {
-          o.extra_all_reduces = blocks;
+          o.extra_all_reduces = 2 * blocks;
         } else {
+          o.extra_all_reduces = blocks;
           o.all_gathers = strategy == fsdp::ShardingStrategy::kFullShard ? 2 * blocks : blocks;
           o.reduce_scatters = blocks;
         }
