@@ -208,7 +208,11 @@ void pre_backward(FSDPState& unit, int64_t tag) {
   context.scheduler().unshard(unit);
   for (const auto& handle : unit.handles()) handle->prepare_gradient_buffer();
   unit.set_training_state(TrainingState::kPreBackward);
-  if (unit.config().options.backward_prefetch() == BackwardPrefetch::kBackwardPre) prefetch_for_backward(context, unit);
+  // Not from a unit the pass reaches on some ranks only: the others run no hook for it.
+  const bool everywhere = unit.iteration().pass_reach() == PassReach::kEveryRank;
+  if (everywhere && unit.config().options.backward_prefetch() == BackwardPrefetch::kBackwardPre) {
+    prefetch_for_backward(context, unit);
+  }
 }
 
 void post_backward(void* arg, int64_t tag) {
@@ -229,13 +233,21 @@ void post_backward(void* arg, int64_t tag) {
   const bool keep_until_complete =
       !unit.config().reshard_after_forward() || (unit.is_root() && !context.iteration_state().root_nested()) ||
       unit.modules().size() > 1;
-  if (!unit.keeps_unsharded_after_backward() && (complete || !keep_until_complete)) context.scheduler().reshard(unit);
+  // A unit the pass reaches on some ranks only stays unsharded until the end of the pass, as on the
+  // ranks it does not reach, so that every rank's scheduler counts the same units when it decides
+  // whether to prefetch.
+  const bool everywhere = unit.iteration().pass_reach() == PassReach::kEveryRank;
+  if (everywhere && !unit.keeps_unsharded_after_backward() && (complete || !keep_until_complete)) {
+    context.scheduler().reshard(unit);
+  }
   if (complete) {
     unit.set_training_state(TrainingState::kPostBackward);
     reduce_in_order(context, /*final=*/false);
   }
   // After this unit's gradient computation (and its reduction, once its turn came).
-  if (unit.config().options.backward_prefetch() == BackwardPrefetch::kBackwardPost) prefetch_for_backward(context, unit);
+  if (everywhere && unit.config().options.backward_prefetch() == BackwardPrefetch::kBackwardPost) {
+    prefetch_for_backward(context, unit);
+  }
 }
 
 }  // namespace

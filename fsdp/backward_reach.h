@@ -11,7 +11,9 @@
 //     reduced in its turn of the reverse forward order;
 //   - reached on some ranks only: every rank all-gathers it right away, in forward order, keeps it
 //     unsharded through the pass, and reduces it at the end of the pass (zeros on the ranks it was
-//     not reached on: its gradient is the average over every rank's batch, as in DDP);
+//     not reached on: its gradient is the average over every rank's batch, as in DDP). Its hooks,
+//     which run on some ranks only, prefetch nothing and reshard nothing, so every rank's
+//     scheduler sees the same units unsharded when it decides a prefetch;
 //   - reached on no rank: no all-gather, no reduction; its gradients stay as they were (None after
 //     zero_grad(set_to_none)), as in local training and DDP.
 // The same all-reduce carries a hash of the units each rank ran in forward, in order, so a unit

@@ -107,8 +107,8 @@ void check_gradients(const std::vector<fsdp::FSDPModule>& units, const std::vect
         const auto s = h->layout().slice_of(static_cast<int>(i), W == 1 ? 0 : rank());
         const at::Tensor expected = W == 1 ? full : full.narrow(0, s.param_begin, s.size());
         INFO(u.fqn() << " '" << h->params()[i].fqn << "'");
-        if (!p.grad().defined()) {
-          CHECK(expected.abs().max().item<float>() == 0.0f);
+        if (!p.grad().defined()) {  // no rank's backward reached it: no gradient, as in local training
+          CHECK((expected.numel() == 0 || expected.abs().max().item<float>() == 0.0f));
           continue;
         }
         CHECK(at::allclose(p.grad().reshape({-1}), expected, 1e-5, 1e-6));
@@ -154,8 +154,8 @@ FSDP_RANKS_TEST_CASE("an auxiliary head whose output is held but unused keeps re
       INFO("W=" << W << " prefetch " << static_cast<int>(prefetch) << " iteration " << it << ": peak "
                 << peak << " B of unsharded gradient buffers, one unit's " << padded_unit_bytes(W) << " B");
       // The unit computing its gradients and the one whose reduction is in flight (with their
-      // shard-sized reduction outputs), never more: the head that backward does not reach is
-      // reduced (zeros) in its turn rather than hold the queue until the end of backward.
+      // shard-sized reduction outputs), never more: the head that backward reaches on no rank is
+      // skipped ([Note: backward reach]) rather than hold the queue until the end of backward.
       CHECK(peak <= 2 * padded_unit_bytes(W) + 2 * padded_unit_bytes(W) / W);
       check_gradients(units, params, reference_gradients(it, [](int) { return false; }));
     }
@@ -174,25 +174,19 @@ FSDP_RANKS_TEST_CASE("an auxiliary head used by the loss after the main path kee
   }
 }
 
-FSDP_RANKS_TEST_CASE("an auxiliary head used by the loss on some ranks only: the same error on every rank "
-                     "in a checked iteration, then training goes on", "[review][backward][errors]") {
-  const int W = world_size();
+FSDP_RANKS_TEST_CASE("an auxiliary head used by the loss on some ranks only trains with parity, "
+                     "in checked iterations and later ones", "[review][backward]") {
   torch::manual_seed(7);
   AuxChain model;
   const std::vector<at::Tensor> params = model->parameters();
   auto units = shard(model, FullyShardOptions().communicator(fresh_comm()));
-  if (W > 1) {
-    // Rank 0 backpropagates through the head, the others do not: its backward all-gather would
-    // have no partner. The first iteration's checks name it on every rank.
-    const std::string message = error_of([&] { loss_of(model, rank(), 0, rank() == 0).backward(); });
-    INFO(message);
-    CHECK(same_on_every_rank(message));
-    CHECK_THAT(message, Contains("aux"));
-  }
-  for (int64_t it = 1; it < 3; ++it) {
+  // Rank 0 backpropagates through the head, the others do not: every rank all-gathers the head
+  // when the backward pass begins and reduces it at its end ([Note: backward reach]), so its
+  // gradient is rank 0's divided by the world size, as DDP gives it.
+  for (int64_t it = 0; it < 3; ++it) {
     for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
-    loss_of(model, rank(), it, /*with_aux=*/true).backward();
-    check_gradients(units, params, reference_gradients(it, [](int) { return true; }));
+    loss_of(model, rank(), it, rank() == 0).backward();
+    check_gradients(units, params, reference_gradients(it, [](int r) { return r == 0; }));
   }
 }
 

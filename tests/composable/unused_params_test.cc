@@ -188,6 +188,37 @@ FSDP_RANKS_TEST_CASE("unused parameters: a unit whose output is in the loss on s
   fsdp::testing::run_parity(aux_in_loss_on_even_ranks(0), with(Optim::kAdam, fsdp::ShardingStrategy::kShardGradOp));
 }
 
+FSDP_RANKS_TEST_CASE("unused parameters: a unit whose output is in the loss on no rank is not reduced",
+                     "[fully_shard][unused]") {
+  const int W = fsdp::testing::world_size();
+  torch::manual_seed(0);
+  auto model = Aux([](int) { return true; }, [](int) { return false; });
+  auto comm = std::make_shared<fsdp::comm::Communicator>(fsdp::testing::world().backend(), at::kCPU);
+  fsdp::FullyShardOptions o;
+  o.communicator(comm);
+  fsdp::fully_shard(model->aux, o);
+  fsdp::fully_shard(model->head, o);
+  fsdp::fully_shard(model, o);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  const at::Tensor aux_before = model->aux->up->weight.detach().clone();
+  for (int it = 0; it < 3; ++it) {
+    comm->reset_stats();
+    model(at::randn({5, kDim}), fsdp::testing::rank()).square().mean().backward();
+    // As in local training: no gradient at all, so the optimizer leaves the unit alone (zeros
+    // would still move it through SGD's momentum).
+    for (const auto& p : model->aux->parameters()) CHECK_FALSE(p.grad().defined());
+    for (const auto& p : model->head->parameters()) CHECK(p.grad().defined());
+    if (W > 1) {
+      // head and the root reduce; aux neither all-gathers for backward nor reduces.
+      CHECK(comm->stats(fsdp::comm::CollectiveKind::kReduceScatter).calls == 2);
+      CHECK(comm->stats(fsdp::comm::CollectiveKind::kAllGather).calls == 3 + 1);  // forward 3, head again
+    }
+    opt.step();
+    opt.zero_grad();
+  }
+  CHECK(model->aux->up->weight.detach().equal(aux_before));
+}
+
 FSDP_RANKS_TEST_CASE("unused parameters: a unit called on some ranks only is refused on every rank",
                      "[fully_shard][unused]") {
   const int W = fsdp::testing::world_size();
