@@ -515,6 +515,19 @@ void FSDPModule::set_requires_gradient_sync(bool sync, bool recurse) {
   for_each_unit(recurse, [sync](FSDPState& unit) { unit.set_requires_gradient_sync(sync); });
 }
 
+void FSDPModule::set_gradient_divide_factor(double factor, bool recurse) {
+  // This unit first: a refused factor leaves every unit as it was.
+  for_each_unit(recurse, [factor](FSDPState& unit) { unit.set_gradient_divide_factor(factor); });
+}
+
+void FSDPModule::set_requires_all_reduce(bool all_reduce, bool recurse) {
+  for_each_unit(recurse, [all_reduce](FSDPState& unit) { unit.set_requires_all_reduce(all_reduce); });
+}
+
+std::optional<double> FSDPModule::gradient_divide_factor() const { return state_->gradient_divide_factor(); }
+
+bool FSDPModule::requires_all_reduce() const { return state_->requires_all_reduce(); }
+
 std::vector<FSDPState*> FSDPModule::states_of(const std::vector<FSDPModule>& units) {
   std::vector<FSDPState*> states;
   for (const auto& u : units) states.push_back(u.state_.get());

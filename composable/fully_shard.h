@@ -65,6 +65,35 @@ class FSDPModule {
   ///   model_unit.set_requires_gradient_sync(true);
   ///   model(last).sum().backward();   // reduce-scatters the accumulated gradients
   void set_requires_gradient_sync(bool sync, bool recurse = true);
+  /// FSDP2's set_gradient_divide_factor: a unit's reduced gradient is by default the sum over the
+  /// data-parallel ranks divided by their number (the shard group's size, times the replicate
+  /// group's under hybrid sharding). With `factor` it is that sum divided by `factor` instead
+  /// (1.0: the sum itself, for recipes that scale the loss by the token count themselves). Under
+  /// hybrid sharding `factor` replaces the whole division over shard x replicate ranks. With a
+  /// 16-bit reduce dtype the division is split as the default one is (a power-of-two part before
+  /// the reduce-scatter, the rest after it, in the parameters' dtype), so the 16-bit sum overflows
+  /// no more than it must. On one rank the gradients are divided by `factor` too. Refused (a
+  /// c10::Error naming the unit, before any unit changes): a factor <= 0, infinite or NaN.
+  /// `recurse`: also the units inside this one.
+  void set_gradient_divide_factor(double factor, bool recurse = true);
+  /// FSDP2's set_requires_all_reduce (hybrid sharding micro-batches): with `all_reduce` false, each
+  /// backward still reduce-scatters inside the shard group, but skips the all-reduce across the
+  /// replicate group: the reduce-scattered gradient is summed into a shard-sized partial buffer
+  /// (the parameters' dtype, on the compute device), and `.grad` is left as it was. The next
+  /// backward with `all_reduce` true adds the partial buffer to its own reduce-scatter output,
+  /// all-reduces the sum across the replicate group once, divides, and adds it to `.grad`. Under
+  /// set_requires_gradient_sync(false) nothing is reduce-scattered at all (the unsharded
+  /// accumulator, see there), so this flag does not apply to those passes. Without hybrid
+  /// sharding (no replicate group, or one of size 1) it changes nothing.
+  ///
+  ///   root.set_requires_all_reduce(false);
+  ///   for (auto& mb : micro_batches_but_last) model(mb).sum().backward();   // reduce-scatters only
+  ///   root.set_requires_all_reduce(true);
+  ///   model(last).sum().backward();   // one all-reduce across replicas per unit
+  void set_requires_all_reduce(bool all_reduce, bool recurse = true);
+  /// The unit's settings of the two above (nullopt: no custom factor).
+  std::optional<double> gradient_divide_factor() const;
+  bool requires_all_reduce() const;
   /// Explicit prefetching (FSDP2's set_modules_to_forward_prefetch / _backward_prefetch): this
   /// unit's pre-forward (pre-backward) issues the all-gathers of `units`, instead of the implicit
   /// next unit. An empty list turns prefetching off for this unit.

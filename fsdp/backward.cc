@@ -312,6 +312,7 @@ namespace {
 // callback adds them back, and a pass that threw is undone by the next root forward (the
 // parameters get back what they held before it).
 void end_of_passthrough_backward(RootContext& context) {
+  for (FSDPState* unit : context.states()) unit->divide_passthrough_gradients();  // a custom factor
   context.passthrough_saved_grads().add_back();
   context.iteration_state().end_passthrough_iteration();
 }

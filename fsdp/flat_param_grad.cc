@@ -1,5 +1,6 @@
 #include "fsdp_cpp/fsdp/flat_param_grad.h"
 
+#include <cmath>
 #include <utility>
 
 #include <ATen/record_function.h>
@@ -13,13 +14,15 @@
 namespace fsdp {
 namespace {
 
-// The division by the world size split into a factor before the reduction and one after, so a
-// 16-bit sum neither overflows nor underflows (FSDP's predivide factor); 1 and W otherwise.
-std::pair<double, double> divide_factors(int world, c10::ScalarType reduce_dtype) {
-  if (c10::elementSize(reduce_dtype) >= 4) return {1.0, static_cast<double>(world)};
-  int factor = 1;
-  while (world % factor == 0 && world / factor > factor) factor *= 2;
-  return {static_cast<double>(factor), static_cast<double>(world) / factor};
+// A division split into a factor before the reduction and one after, so a 16-bit sum neither
+// overflows nor underflows (FSDP's predivide factor: the largest power of two dividing `total` up
+// to about its square root); 1 and `total` otherwise. [Note: gradient divide factor and replicate
+// partial]
+std::pair<double, double> divide_factors(double total, c10::ScalarType reduce_dtype) {
+  if (c10::elementSize(reduce_dtype) >= 4) return {1.0, total};
+  double factor = 1.0;
+  while (std::fmod(total, factor) == 0.0 && total / factor > factor) factor *= 2.0;
+  return {factor, total / factor};
 }
 
 }  // namespace
@@ -93,6 +96,14 @@ size_t FlatParamGrad::sharded_bytes() const {
 
 size_t FlatParamGrad::accumulated_bytes() const {
   return accumulated_grad_.defined() ? accumulated_grad_.nbytes() : 0;
+}
+
+size_t FlatParamGrad::replicate_partial_bytes() const {
+  size_t bytes = replicate_partial_.defined() ? replicate_partial_.nbytes() : 0;
+  if (partial_at_pass_start_.defined() && !partial_at_pass_start_.is_same(replicate_partial_)) {
+    bytes += partial_at_pass_start_.nbytes();
+  }
+  return bytes;
 }
 
 size_t FlatParamGrad::buffer_bytes() const {
@@ -214,9 +225,12 @@ void FlatParamGrad::reduce(bool sync) {
     accumulated_grad_ = at::Tensor();
   }
   const int world = comm_->size();
-  const auto [pre, post] = divide_factors(world, reduce_dtype_);
+  // The shard group's size, then the replicate group's after its all-reduce; or the custom
+  // factor for both ([Note: gradient divide factor and replicate partial]).
+  const auto [pre, post] = divide_factors(divide_factor_.value_or(static_cast<double>(world)), reduce_dtype_);
   if (pre != 1.0) flat.div_(pre);
   post_divide_ = post;
+  replicate_divide_ = divide_factor_ || !replicated() ? 1.0 : static_cast<double>(replicate_->size());
   const bool shard = storage_.sharded();
   // Held until finalize(), after the compute stream waited for the reduction.
   reduce_input_ = flat;
@@ -246,9 +260,22 @@ void FlatParamGrad::finalize() {
   reduce_output_ = at::Tensor();
   if (post_divide_ != 1.0) grad.div_(post_divide_);
   if (replicated()) {
-    // Hybrid sharding: average the shard-group gradients across the replicate group.
+    // What the partial held when the pass began is kept until commit(), for discard().
+    if (!partial_changed_in_pass_) partial_at_pass_start_ = replicate_partial_;
+    partial_changed_in_pass_ = true;
+    if (!requires_all_reduce_) {
+      // HSDP micro-batch: kept for the next pass's all-reduce, `.grad` untouched (commit()
+      // restores the set-aside gradient). Out of place: the partial the pass began with is kept.
+      replicate_partial_ = replicate_partial_.defined() ? replicate_partial_.add(grad) : grad;
+      return;
+    }
+    if (replicate_partial_.defined()) {
+      grad.add_(replicate_partial_);
+      replicate_partial_ = at::Tensor();
+    }
+    // Hybrid sharding: sum the shard-group gradients across the replicate group, then divide.
     replicate_->all_reduce(grad, c10d::ReduceOp::SUM, storage_.unit_fqn()).wait();
-    grad.div_(replicate_->size());
+    if (replicate_divide_ != 1.0) grad.div_(replicate_divide_);
   }
   grad = grad.to(shard.device());  // host memory with offload
   // The gradient set aside before backward is kept until the backward pass is committed, so that
@@ -268,6 +295,8 @@ void FlatParamGrad::commit() {
   saved_grad_ = at::Tensor();
   grads_prepared_ = false;
   accumulated_in_pass_ = false;
+  partial_at_pass_start_ = at::Tensor();
+  partial_changed_in_pass_ = false;
 }
 
 void FlatParamGrad::wait_for_reduction() {
@@ -286,6 +315,11 @@ void FlatParamGrad::discard() {
   // rather than keep part of a backward pass.
   if (accumulated_in_pass_) accumulated_grad_ = at::Tensor();
   accumulated_in_pass_ = false;
+  // The replicate partial is what it was before the failed pass (micro-batches kept there by
+  // earlier passes are not lost).
+  if (partial_changed_in_pass_) replicate_partial_ = partial_at_pass_start_;
+  partial_at_pass_start_ = at::Tensor();
+  partial_changed_in_pass_ = false;
   if (!grads_prepared_) return;
   // Back to the gradients held before the failed backward pass.
   if (saved_grad_.defined()) {

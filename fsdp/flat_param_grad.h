@@ -19,10 +19,13 @@
 //   4. finalize() (when the runtime issues the next unit's reduction, or at the end of backward):
 //      waits for the reduction, frees its input, casts to the parameters' dtype, divides what is
 //      left, all-reduces across the replicate group (HSDP), moves to the shard's device (host with
-//      offload), adds the set-aside gradient and points each `.grad` at its slice.
+//      offload), adds the set-aside gradient and points each `.grad` at its slice. Under HSDP
+//      without requires_all_reduce, the gradient is added to the replicate partial instead (no
+//      all-reduce, `.grad` untouched); the next finalize() with it adds the partial in before the
+//      all-reduce.
 //   5. commit() (end of a successful pass) or discard() (a failed one): the set-aside gradient is
-//      forgotten (restored when no synchronised reduction ran), or every buffer of the pass is
-//      freed and the gradients held before it restored.
+//      forgotten (restored when no synchronised reduction set `.grad`), or every buffer of the
+//      pass is freed and the gradients held before it restored (the replicate partial too).
 //
 // Invariants:
 //   - At most one reduction is in flight per FlatParameter: reduce() finalizes the previous one
@@ -33,8 +36,34 @@
 //     failed pass can restore it.
 //   - accumulated() is this rank's own sum over the passes without sync, padded, in the reduce
 //     dtype on the compute device; the next synchronised reduce() adds it in and drops it.
+//   - replicate_partial() ([Note: gradient divide factor and replicate partial]) is the sum of
+//     the shard-group gradients of this rank's shard (already divided as the shard group divides
+//     them) over the passes that skipped the replicate all-reduce, shard-sized, in the parameters'
+//     dtype on the compute device, never part of `.grad`; the next finalize() with the all-reduce
+//     adds it in. What it held before a pass changed it is kept until the pass is committed, so
+//     that discard() restores it.
+//
+// [Note: gradient divide factor and replicate partial] By default a FlatParameter's reduced
+// gradient is the sum over the data-parallel ranks divided by their number: the shard group's
+// size S (split into a factor before the reduction and one after it for 16-bit reduce dtypes, so
+// the sum neither overflows nor underflows), then the replicate group's size R under HSDP, after
+// its all-reduce. set_divide_factor(f) replaces that whole division (S x R under HSDP) by f: the
+// gradient is the sum over every data-parallel rank divided by f, split the same way (f's largest
+// power-of-two factor up to about its square root before a 16-bit reduction, the rest after the
+// reduction in the parameters' dtype), and nothing is divided after the replicate all-reduce. The
+// factor in effect when a pass's reduction is issued is the one that pass's gradients get.
+// set_requires_all_reduce(false) (HSDP micro-batches): the reduce-scatter inside the shard group
+// still runs every pass, but finalize() adds its divided output to the replicate partial instead
+// of all-reducing it across the replicate group, and leaves `.grad` as it was (gradients already
+// fully reduced, e.g. kept from an earlier step without zero_grad, are never all-reduced again).
+// The next pass with the all-reduce adds the partial to its own output, all-reduces the sum once,
+// divides, and adds the set-aside gradient. Gradients accumulated without sync (reduce(false))
+// are not reduce-scattered at all, so the flag does not apply to them; they enter the next
+// synchronised pass's reduce-scatter and through it the partial or the all-reduce. Without a
+// replicate group (replicated() false) the flag changes nothing.
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -63,6 +92,15 @@ class FlatParamGrad {
   /// Hybrid sharding with more than one replica: finalize() all-reduces across the replicas.
   bool replicated() const { return replicate_ && replicate_->size() > 1; }
 
+  /// [Note: gradient divide factor and replicate partial]. `factor` (finite, > 0; checked by the
+  /// caller) replaces the division by the data-parallel size; nullopt restores it.
+  void set_divide_factor(std::optional<double> factor) { divide_factor_ = factor; }
+  const std::optional<double>& divide_factor() const { return divide_factor_; }
+  /// Whether finalize() all-reduces across the replicate group (HSDP); false keeps the
+  /// reduce-scattered gradient in the replicate partial. No effect without a replicate group.
+  void set_requires_all_reduce(bool all_reduce) { requires_all_reduce_ = all_reduce; }
+  bool requires_all_reduce() const { return requires_all_reduce_; }
+
   /// Step 1. Idempotent within one pass.
   void prepare_for_backward();
   /// Step 2. No-op when already done this pass.
@@ -79,19 +117,24 @@ class FlatParamGrad {
   void wait_for_reduction();
   /// Step 5, failure: waits for a reduction in flight, frees every gradient buffer of the pass and
   /// restores the gradients held before it (gradients accumulated without sync that this pass
-  /// added to are dropped).
+  /// added to are dropped; the replicate partial is what it was before the pass).
   void discard();
 
   /// The no-sync accumulator (see the invariants), or undefined.
   const at::Tensor& accumulated() const { return accumulated_grad_; }
+  /// The replicate partial (see the invariants), or undefined.
+  const at::Tensor& replicate_partial() const { return replicate_partial_; }
   /// The sharded gradient (1-D over the storage the parameters' `.grad` views share), or undefined
   /// when the parameters' `.grad` are not (all) such views.
   at::Tensor sharded() const;
   /// Bytes of the sharded gradient (or, when not one flat gradient, of the parameters' `.grad`),
-  /// of the no-sync accumulator, and of the unsharded buffers of a pass now alive (the flat buffer
-  /// autograd accumulates into, the input and output of a reduction not yet finalized).
+  /// of the no-sync accumulator, of the replicate partial (during a pass that changed it, plus the
+  /// one it began with, until commit()), and of the unsharded buffers of a pass
+  /// now alive (the flat buffer autograd accumulates into, the input and output of a reduction not
+  /// yet finalized).
   size_t sharded_bytes() const;
   size_t accumulated_bytes() const;
+  size_t replicate_partial_bytes() const;
   size_t buffer_bytes() const;
 
  private:
@@ -110,8 +153,14 @@ class FlatParamGrad {
   at::Tensor accumulated_grad_;       // 1-D [padded_numel]: unsynchronised gradients, or undefined
   at::Tensor reduce_output_;          // reduction in flight: output
   at::Tensor reduce_input_;           // reduction in flight: padded unsharded gradient
+  at::Tensor replicate_partial_;      // 1-D [shard_numel]: HSDP passes without the all-reduce, or undefined
   comm::PendingCollective pending_reduce_;
+  std::optional<double> divide_factor_;  // replaces the division by the data-parallel size
   double post_divide_ = 1.0;          // the division left after the reduction in flight
+  double replicate_divide_ = 1.0;     // the division after the replicate all-reduce in flight
+  bool requires_all_reduce_ = true;
+  at::Tensor partial_at_pass_start_;     // replicate_partial_ before this pass changed it
+  bool partial_changed_in_pass_ = false;  // this backward pass added to or all-reduced the partial
   bool grads_prepared_ = false;
   bool accumulated_in_pass_ = false;  // this backward pass added to accumulated_grad_
   bool finalized_in_pass_ = false;    // this backward pass set a new sharded gradient

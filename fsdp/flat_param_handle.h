@@ -17,6 +17,7 @@
 // units' unsharded gradients are alive at once.
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -113,6 +114,15 @@ class FlatParamHandle {
   /// summon_full_params (composable/summon_full_params.h); not to be modified.
   const at::Tensor& accumulated_grad() const { return grad_.accumulated(); }
 
+  /// The per-unit gradient controls ([Note: gradient divide factor and replicate partial] in
+  /// fsdp/flat_param_grad.h): a factor replacing the division by the data-parallel size (nullopt:
+  /// that division), and whether HSDP's replicate all-reduce runs (false: the reduce-scattered
+  /// gradient is kept in the replicate partial, 1-D [shard_numel] in the parameters' dtype, not
+  /// in `.grad`).
+  void set_gradient_divide_factor(std::optional<double> factor) { grad_.set_divide_factor(factor); }
+  void set_requires_all_reduce(bool all_reduce) { grad_.set_requires_all_reduce(all_reduce); }
+  const at::Tensor& replicate_partial_grad() const { return grad_.replicate_partial(); }
+
   /// Whether the parameters require gradients (a handle holds only trainable or only frozen ones).
   bool requires_grad() const { return storage_.requires_grad(); }
 
@@ -127,10 +137,12 @@ class FlatParamHandle {
   /// replaced by the user).
   at::Tensor sharded_grad() const { return grad_.sharded(); }
   /// Bytes held now by: the padded unsharded buffer (0 when resharded), the sharded gradient (or,
-  /// when not one flat gradient, the parameters' `.grad`), the gradients accumulated without sync.
+  /// when not one flat gradient, the parameters' `.grad`), the gradients accumulated without sync,
+  /// the replicate partial.
   size_t unsharded_bytes() const { return storage_.unsharded_bytes(); }
   size_t sharded_grad_bytes() const { return grad_.sharded_bytes(); }
   size_t accumulated_grad_bytes() const { return grad_.accumulated_bytes(); }
+  size_t replicate_partial_grad_bytes() const { return grad_.replicate_partial_bytes(); }
   /// Bytes of the unsharded gradient buffers of a backward pass now alive: the flat buffer autograd
   /// accumulates into, and the input and output of a reduction not yet finalized.
   size_t gradient_buffer_bytes() const { return grad_.buffer_bytes(); }

@@ -1,7 +1,9 @@
 #include "fsdp_cpp/fsdp/fsdp_state.h"
 
 #include <algorithm>
+#include <cmath>
 
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
@@ -65,6 +67,10 @@ std::vector<std::unique_ptr<FlatParamHandle>> FSDPState::make_handles(
 
 void FSDPState::rebuild_handles(const std::vector<FlatParamHandle::OrigParam>& params) {
   handles_ = make_handles(params, config_, fqn_);
+  for (auto& h : handles_) {
+    h->set_gradient_divide_factor(gradient_divide_factor_);
+    h->set_requires_all_reduce(requires_all_reduce_);
+  }
   managed_.clear();
   for (const auto& h : handles_) {
     for (const auto& p : h->params()) managed_.insert(p.param.unsafeGetTensorImpl());
@@ -93,6 +99,30 @@ void FSDPState::set_fqn(std::string fqn) {
 
 bool FSDPState::manages(const at::Tensor& param) const {
   return managed_.count(param.unsafeGetTensorImpl()) > 0;
+}
+
+void FSDPState::set_gradient_divide_factor(std::optional<double> factor) {
+  TORCH_CHECK(!factor || (std::isfinite(*factor) && *factor > 0.0),
+              "FSDPModule::set_gradient_divide_factor: unit '", fqn_, "' got the factor ", *factor,
+              "; expected a finite number > 0 (1.0: the sum over the data-parallel ranks, undivided)");
+  gradient_divide_factor_ = factor;
+  for (auto& h : handles_) h->set_gradient_divide_factor(factor);
+}
+
+void FSDPState::set_requires_all_reduce(bool all_reduce) {
+  requires_all_reduce_ = all_reduce;
+  for (auto& h : handles_) h->set_requires_all_reduce(all_reduce);
+}
+
+void FSDPState::divide_passthrough_gradients() const {
+  if (!gradient_divide_factor_ || *gradient_divide_factor_ == 1.0) return;
+  c10::NoGradGuard no_grad;
+  for (const auto& h : handles_) {
+    if (!h->requires_grad()) continue;
+    for (const auto& p : h->params()) {
+      if (p.param.grad().defined()) p.param.mutable_grad().div_(*gradient_divide_factor_);
+    }
+  }
 }
 
 bool FSDPState::is_root() const { return root_context_ && root_context_->root() == this; }

@@ -143,6 +143,22 @@ class FSDPState final : public contract::ApiState {
   /// issued; the next backward with sync reduces the sum.
   bool requires_gradient_sync() const { return requires_gradient_sync_; }
   void set_requires_gradient_sync(bool sync) { requires_gradient_sync_ = sync; }
+  /// FSDP2's set_gradient_divide_factor: the unit's reduced gradients are the sum over the
+  /// data-parallel ranks divided by `factor` (finite, > 0) instead of by their number; nullopt:
+  /// that number. Passed to every handle ([Note: gradient divide factor and replicate partial] in
+  /// fsdp/flat_param_grad.h).
+  const std::optional<double>& gradient_divide_factor() const { return gradient_divide_factor_; }
+  void set_gradient_divide_factor(std::optional<double> factor);
+  /// FSDP2's set_requires_all_reduce: false skips HSDP's all-reduce across the replicate group,
+  /// keeping the reduce-scattered gradients in each handle's replicate partial until a backward
+  /// with it (same Note). No effect without a replicate group.
+  bool requires_all_reduce() const { return requires_all_reduce_; }
+  void set_requires_all_reduce(bool all_reduce);
+  /// [Note: passthrough backward] (one rank, autograd writes `.grad`): divides what this pass wrote
+  /// into the parameters' `.grad` by the custom divide factor, if one is set. Called before the
+  /// set-aside gradients are added back.
+  void divide_passthrough_gradients() const;
+
   /// Whether backward reshards the unit (false keeps it unsharded for the next forward while
   /// accumulating without sync).
   bool reshard_after_backward() const { return reshard_after_backward_; }
@@ -179,6 +195,8 @@ class FSDPState final : public contract::ApiState {
   std::optional<std::vector<FSDPState*>> forward_prefetch_targets_;
   std::optional<std::vector<FSDPState*>> backward_prefetch_targets_;
   bool requires_gradient_sync_ = true;
+  std::optional<double> gradient_divide_factor_;
+  bool requires_all_reduce_ = true;
   bool reshard_after_backward_ = true;
   bool full_params_summoned_ = false;
   UnitIteration iteration_;
