@@ -9,7 +9,9 @@
 //     and the holders in contract/hookable_modules.h),
 //   - fsdp::contract::Sequential, ModuleList and AnyHookableModule, which call their children
 //     through the hooks,
-//   - run_forward(module, args...) and run_forward_ivalues(module, args, forward) below.
+//   - run_forward(module, args...) and run_forward_ivalues(module, args, forward) below,
+//   - call_method(module, &Impl::method, args...) and call_with_hooks(module, callable), around a
+//     method other than forward ([Note: hooked calls] in contract/hooked_call.h).
 // Calling `holder->forward(...)` or `impl.forward(...)` bypasses the hooks; that is unsupported on
 // a module an API manages (the FSDP engine detects it through the autograd graph).
 //
@@ -210,11 +212,12 @@ size_t prune_forward_hooks();
 size_t hooked_forward_depth();
 
 /// A process-wide check run at the start of every call through a hook-able call path (hook-able
-/// holders, run_forward, run_forward_ivalues and the containers that use them), with or without
-/// hooks on the module, before its pre-forward hooks; it refuses the call by throwing. For a
-/// library that needs to look at modules only in some processes (e.g. a module whose tensors have
-/// no memory yet): while no check is registered a call pays one relaxed atomic load. Checks
-/// cannot be removed; each should cost little once a module passed it.
+/// holders, run_forward, run_forward_ivalues and the containers that use them, call_method,
+/// call_with_hooks), with or without hooks on the module, before its pre-forward hooks; it
+/// refuses the call by throwing. For a library that needs to look at modules only in some
+/// processes (e.g. a module whose tensors have no memory yet): while no check is registered a call
+/// pays one relaxed atomic load. Checks cannot be removed; each should cost little once a module
+/// passed it.
 ///
 ///   fsdp::contract::add_forward_call_check([](torch::nn::Module& m) { TORCH_CHECK(ok(m), ...); });
 using ForwardCallCheck = void (*)(torch::nn::Module& module);

@@ -1,13 +1,19 @@
 #include "fsdp_cpp/examples/gpt_model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/argmax.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/dropout.h>
 #include <ATen/ops/gelu.h>
+#include <ATen/ops/multinomial.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/softmax.h>
 #include <ATen/TensorOperators.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
@@ -124,6 +130,37 @@ at::Tensor GPTImpl::forward(at::Tensor tokens) {
   // The output layer shares the token embedding's weight ([Note: tied embedding]).
   if (output_layer_) return output_layer_(ln_f(x), tok_emb->weight);
   return ln_f(x).matmul(tok_emb->weight.t());
+}
+
+at::Tensor GPTImpl::generate(at::Tensor prompt, int64_t n_new, double temperature, int64_t seed) {
+  TORCH_CHECK(prompt.dim() == 2 && prompt.scalar_type() == at::kLong && prompt.size(1) >= 1,
+              "GPT::generate: expected int64 token ids of shape [batch, time] with time >= 1 (got ",
+              prompt.scalar_type(), " of shape ", prompt.sizes(), ")");
+  TORCH_CHECK(n_new >= 0, "GPT::generate: expected n_new >= 0 (got ", n_new, ")");
+  TORCH_CHECK(temperature >= 0.0, "GPT::generate: expected temperature >= 0 (got ", temperature, ")");
+  c10::NoGradGuard no_grad;
+  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(seed));
+  at::Tensor tokens = prompt;
+  for (int64_t i = 0; i < n_new; ++i) {
+    const int64_t time = tokens.size(1);
+    const at::Tensor window = tokens.narrow(1, std::max<int64_t>(0, time - config_.context_length()),
+                                            std::min(time, config_.context_length()));
+    // This module's own forward (its hooks, if any, are around the whole call); the blocks run
+    // through their holders, with their hooks.
+    const at::Tensor logits = forward(window).select(1, -1);  // [batch, vocab]
+    TORCH_CHECK(logits.size(-1) == config_.vocab_size(), "GPT::generate: expected logits over the ",
+                config_.vocab_size(), " tokens of the vocabulary, got ", logits.size(-1),
+                " (vocabulary-parallel logits: build the model without loss_parallel to sample)");
+    at::Tensor next;
+    if (temperature == 0.0) {
+      next = logits.argmax(-1, /*keepdim=*/true);
+    } else {
+      const at::Tensor probs = at::softmax(logits.to(at::kCPU, at::kFloat) / temperature, -1);
+      next = at::multinomial(probs, 1, /*replacement=*/false, generator).to(tokens.device());
+    }
+    tokens = at::cat({tokens, next}, 1);
+  }
+  return tokens;
 }
 
 std::vector<Block> GPTImpl::block_list() const { return blocks->holders<Block>(); }

@@ -9,6 +9,7 @@
 //   fsdp::fully_shard(model, opts);                                            // the root last
 //   at::Tensor logits = model(tokens);          // [batch, time] -> [batch, time, vocab]
 //   at::Tensor loss = fsdp::examples::next_token_loss(logits, targets);
+//   at::Tensor text = fsdp::contract::call_method(model, &GPTImpl::generate, prompt, 100, 0.0, 0);
 //
 // Structure and FQNs (GPT-2 layout, pre-LayerNorm):
 //   tok_emb.weight                    [vocab, d_model]  token embedding, TIED to the output layer
@@ -122,6 +123,18 @@ class GPTImpl : public torch::nn::Module {
   explicit GPTImpl(GPTConfig config);
 
   at::Tensor forward(at::Tensor tokens);
+
+  /// Continues `prompt` (int64 token ids [batch, time], time >= 1) by `n_new` tokens and returns
+  /// prompt and continuation, [batch, time + n_new]. Each new token takes one forward over the last
+  /// context_length tokens: the most likely one when `temperature` is 0 (greedy), else one drawn
+  /// from softmax(logits / temperature) by a CPU generator seeded with `seed` (the same seed and
+  /// logits give the same tokens in every process). Runs without gradients. A method other than
+  /// forward: under fully_shard call it through the root's hooks, on every rank (each token
+  /// all-gathers the units), so the root's parameters are unsharded while it runs and each block
+  /// runs its own hooks:
+  ///
+  ///   at::Tensor tokens = fsdp::contract::call_method(model, &GPTImpl::generate, prompt, 100, 0.0, 0);
+  at::Tensor generate(at::Tensor prompt, int64_t n_new, double temperature, int64_t seed);
 
   /// The blocks in order, as hook-able holders (the units to shard before the root):
   ///

@@ -16,6 +16,11 @@
 // AdamW state, the step, and the world size of each step so far) at the end; `--resume DIR`
 // loads one (saved on any number of ranks) and continues from the step after it: the unsharded
 // comparison then replays the whole run, each step with the ranks that trained it.
+//
+// After training, every rank samples text from the sharded model: GPT::generate is a method other
+// than forward, called through the root's hooks with fsdp::contract::call_method (each token
+// all-gathers the units, so every rank runs it; greedy decoding, or a sampling seed shared by all
+// ranks, gives every rank the same text, which is checked), and rank 0 prints it.
 
 #include <algorithm>
 #include <chrono>
@@ -33,6 +38,8 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/tensor.h>
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/cuda.h>
@@ -50,6 +57,7 @@
 #include "fsdp_cpp/composable/fully_shard_tree.h"
 #include "fsdp_cpp/composable/plan.h"
 #include "fsdp_cpp/composable/wrap_policy.h"
+#include "fsdp_cpp/contract/hooked_call.h"
 #include "fsdp_cpp/examples/char_corpus.h"
 #include "fsdp_cpp/examples/gpt_model.h"
 #include "fsdp_cpp/examples/gpt_tensor_parallel.h"
@@ -106,6 +114,12 @@ constexpr const char* kUsage =
                          sizes when every run pads to the same size (e.g. 4 for --tp 1, 2 and 4)
   --sequence-parallel    with --tp: LayerNorms and the residual stream split along the sequence
   --loss-parallel        with --tp: the loss on vocabulary-parallel logits, never gathered
+  --sample N             after training, characters to generate from the sharded model (default
+                         80; 0: none). Skipped with --sequence-parallel or --loss-parallel
+  --prompt TEXT          the text the sample continues (default "The keeper "; characters of the
+                         training text only)
+  --temperature X        0 (default): greedy decoding; above 0: sampling from softmax(logits / X)
+                         with --seed (the same draws on every rank)
   --checkpoint-activations
                          activation checkpointing on every block
                          (fsdp::checkpoint_activations_tree): each block keeps only its input
@@ -137,6 +151,9 @@ struct Flags {
   bool loss_parallel = false;
   std::string init_from;
   std::string profile;
+  int64_t sample = 80;
+  std::string prompt = "The keeper ";
+  double temperature = 0.0;
   bool help = false;
 };
 
@@ -165,6 +182,20 @@ double parse_positive_double(const std::string& flag, const std::string& value) 
   }
   if (used != value.size() || value.empty() || !(parsed > 0.0) || !std::isfinite(parsed)) {
     throw std::invalid_argument(flag + " expects a positive number (got '" + value + "')");
+  }
+  return parsed;
+}
+
+double parse_nonnegative_double(const std::string& flag, const std::string& value) {
+  size_t used = 0;
+  double parsed = -1.0;
+  try {
+    parsed = std::stod(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != value.size() || value.empty() || !(parsed >= 0.0) || !std::isfinite(parsed)) {
+    throw std::invalid_argument(flag + " expects a number >= 0 (got '" + value + "')");
   }
   return parsed;
 }
@@ -240,6 +271,9 @@ Flags parse_flags(int argc, char** argv) {
     else if (name == "--resume") f.resume_dir = value;
     else if (name == "--profile") f.profile = value;
     else if (name == "--init-from") f.init_from = value;
+    else if (name == "--sample") f.sample = parse_int(name, value, 0);
+    else if (name == "--prompt") f.prompt = value;
+    else if (name == "--temperature") f.temperature = parse_nonnegative_double(name, value);
     else if (name == "--strategy") {
       if (value != "full" && value != "grad_op" && value != "no_shard") {
         throw std::invalid_argument("--strategy expects full, grad_op or no_shard (got '" + value +
@@ -253,6 +287,7 @@ Flags parse_flags(int argc, char** argv) {
   if ((f.sequence_parallel || f.loss_parallel) && f.tp == 1) {
     throw std::invalid_argument("--sequence-parallel and --loss-parallel need --tp larger than 1");
   }
+  if (f.prompt.empty()) throw std::invalid_argument("--prompt expects at least one character");
   if (f.d_model % f.heads != 0) {
     throw std::invalid_argument("--d-model (" + std::to_string(f.d_model) +
                                 ") must be a multiple of --heads (" + std::to_string(f.heads) +
@@ -433,6 +468,58 @@ std::vector<int> decode_world_sizes(const std::string& text) {
     pos = comma + 1;
   }
   return sizes;
+}
+
+/// Generates --sample characters after --prompt from the sharded model on every rank and prints
+/// them on rank 0. GPT::generate is a method other than forward: called through the root's hooks
+/// (fsdp::contract::call_method), the root's parameters are unsharded around it and each block's
+/// hooks all-gather and free the block at every token, on every rank alike. Returns false when the
+/// ranks did not generate the same text (they ran the same collectives either way).
+bool sample_text(GPT& model, const fsdp::examples::CharCorpus& corpus, const Flags& f,
+                 fsdp::comm::Communicator& metrics, at::Device device, bool main_rank) {
+  if (f.sample == 0) return true;
+  if (f.sequence_parallel || f.loss_parallel) {
+    if (main_rank) {
+      std::printf("\nsampling skipped: the model splits the sequence or returns vocabulary-parallel "
+                  "logits (--sequence-parallel, --loss-parallel)\n");
+    }
+    return true;
+  }
+  const fsdp::examples::CharTokenizer& tokenizer = corpus.tokenizer();
+  const at::Tensor prompt = at::tensor(tokenizer.encode(f.prompt), at::kLong).unsqueeze(0).to(device);
+  const auto start = Clock::now();
+  model->eval();
+  at::Tensor tokens;
+  {
+    c10::NoGradGuard no_grad;
+    tokens = fsdp::contract::call_method(model, &fsdp::examples::GPTImpl::generate, prompt, f.sample,
+                                         f.temperature, static_cast<int64_t>(f.seed));
+  }
+  model->train();
+  const double seconds = seconds_since(start);
+  // The same tokens on every rank: the smallest and the largest id of each position agree.
+  at::Tensor low = tokens.to(at::kDouble), high = low.clone();
+  metrics.all_reduce(low, c10d::ReduceOp::MIN).wait();
+  metrics.all_reduce(high, c10d::ReduceOp::MAX).wait();
+  const bool same = at::equal(low, high);
+  if (main_rank) {
+    std::string text;
+    const at::Tensor row = tokens.select(0, 0).to(at::kCPU);
+    for (int64_t i = 0; i < row.numel(); ++i) {
+      // The padded vocabulary's extra ids are no character ('?'); they only learn to be unlikely.
+      const int64_t id = row[i].item<int64_t>();
+      text += id < tokenizer.vocab_size() ? tokenizer.decode({id}) : std::string("?");
+    }
+    char mode[64] = "greedy";
+    if (f.temperature > 0.0) {
+      std::snprintf(mode, sizeof(mode), "temperature %g, seed %" PRIu64, f.temperature, f.seed);
+    }
+    std::printf("\nsample from the sharded model (%s; %" PRId64 " characters after the prompt, %.2f s, "
+                "%s):\n%s\n", mode, f.sample, seconds,
+                same ? "the same on every rank" : "DIFFERENT across ranks", text.c_str());
+    std::fflush(stdout);
+  }
+  return same;
 }
 
 int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
@@ -657,6 +744,8 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
     }
     std::fflush(stdout);
   }
+
+  if (!sample_text(model, corpus, f, metrics, device, main_rank)) return 1;
 
   if (!f.check_unsharded) {
     if (main_rank) std::printf("\nfinal loss %.6f (unsharded comparison skipped)\n", losses.back());

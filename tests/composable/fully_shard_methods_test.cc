@@ -6,7 +6,8 @@
 // root's call, bypassing its hooks, fails in the first iteration with fully_shard's error naming
 // the unit and parameter on every rank; a child's method called outside its root's call is
 // refused. Activation checkpointing on a unit recomputes the unit's method in backward through
-// call_method, and refuses to rerun call_with_hooks' callable.
+// call_method, and refuses to rerun call_with_hooks' callable. The example GPT's generate samples
+// the unsharded model's tokens.
 #include <memory>
 #include <string>
 #include <vector>
@@ -22,6 +23,7 @@
 #include "fsdp_cpp/contract/hookable_module_holder.h"
 #include "fsdp_cpp/contract/hookable_modules.h"
 #include "fsdp_cpp/contract/hooked_call.h"
+#include "fsdp_cpp/examples/gpt_model.h"
 #include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
@@ -306,4 +308,27 @@ FSDP_RANKS_TEST_CASE("a child unit's method called outside its root's call is re
   CHECK(fsdp::testing::same_on_every_rank(message));
   check_same(call_method(p.model, &ModelImpl::project, input()), p.reference->project(input()));
   CHECK(unsharded_bytes(*p.model) == 0);
+}
+
+FSDP_RANKS_TEST_CASE("the example GPT generates through its root's hooks as the unsharded model does",
+                     "[fully_shard][methods][gpt]") {
+  using fsdp::examples::GPT;
+  using fsdp::examples::GPTImpl;
+  const auto config = fsdp::examples::GPTConfig(11).context_length(8).d_model(16).n_heads(2).n_layers(2);
+  torch::manual_seed(3);
+  GPT model(config);
+  torch::manual_seed(3);
+  GPT reference(config);
+  const auto o = options();
+  for (auto& block : model->block_list()) fsdp::fully_shard(block, o);
+  fsdp::fully_shard(model, o);
+  const at::Tensor prompt = at::arange(1, 4, at::kLong).unsqueeze(0);
+  // 12 new tokens: past the context length, the window slides. Greedy, then sampled with a seed.
+  for (double temperature : {0.0, 1.0}) {
+    INFO("temperature " << temperature);
+    const at::Tensor tokens = call_method(model, &GPTImpl::generate, prompt, 12, temperature, 7);
+    CHECK(tokens.sizes() == at::IntArrayRef({1, 15}));
+    CHECK(at::equal(tokens, reference->generate(prompt, 12, temperature, 7)));
+    CHECK(unsharded_bytes(*model) == 0);  // generate runs without gradients: resharded at once
+  }
 }
