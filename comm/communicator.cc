@@ -31,6 +31,7 @@ const char* to_string(CollectiveKind kind) {
     case CollectiveKind::kAllGatherList: return "all_gather";
     case CollectiveKind::kAllGatherBytes: return "all_gather_bytes";
     case CollectiveKind::kBarrier: return "barrier";
+    case CollectiveKind::kAllToAll: return "all_to_all_single";
   }
   return "?";
 }
@@ -119,6 +120,13 @@ PendingCollective Communicator::all_gather(std::vector<at::Tensor> outputs, at::
   auto work = backend_->allgather(outs, ins);
   return record_issue(std::move(work), CollectiveKind::kAllGatherList, nbytes(input) * size_,
                       std::move(tag));
+}
+
+PendingCollective Communicator::all_to_all_single(at::Tensor output, at::Tensor input, std::string tag) {
+  IssuingApi api(tag_label(tag), tag);
+  std::vector<int64_t> equal_splits;  // empty: W equal chunks
+  auto work = backend_->alltoall_base(output, input, equal_splits, equal_splits);
+  return record_issue(std::move(work), CollectiveKind::kAllToAll, nbytes(input), std::move(tag));
 }
 
 std::vector<std::vector<uint8_t>> Communicator::all_gather_bytes(const std::vector<uint8_t>& local,

@@ -5,8 +5,8 @@
 // all-gathers in flight").
 //
 // Bytes counted per call are the collective's full payload on one rank: the output of an all-gather,
-// the input of a reduce-scatter, the tensor of an all-reduce or broadcast. The bytes a rank actually
-// sends for an all-gather or reduce-scatter are that times (W-1)/W.
+// the input of a reduce-scatter or all-to-all, the tensor of an all-reduce or broadcast. The bytes a
+// rank actually sends for an all-gather, reduce-scatter or all-to-all are that times (W-1)/W.
 
 #include <array>
 #include <cstdint>
@@ -26,8 +26,9 @@ enum class CollectiveKind : int {
   kAllGatherList,      // all-gather of one tensor into a list of tensors
   kAllGatherBytes,     // all-gather of variable-size byte buffers (metadata, consistency checks)
   kBarrier,
+  kAllToAll,           // all_to_all_single: equal splits, chunk j of the input goes to rank j
 };
-constexpr int kNumCollectiveKinds = 7;
+constexpr int kNumCollectiveKinds = 8;
 
 const char* to_string(CollectiveKind kind);
 
@@ -97,6 +98,13 @@ class Communicator {
   /// Gathers `input` from every rank into `outputs` (one tensor per rank, the input's shape).
   PendingCollective all_gather(std::vector<at::Tensor> outputs, at::Tensor input,
                                std::string tag = {});
+  /// All-to-all with equal splits (c10d's alltoall_base; FSDP's quantized gradient reduction):
+  /// `input` holds W equal chunks along its first dimension, chunk j goes to rank j, and chunk i
+  /// of `output` (the input's shape and dtype) is what rank i sent this rank.
+  ///
+  ///   at::Tensor in = at::full({comm.size(), 4}, comm.rank()), out = at::empty_like(in);
+  ///   comm.all_to_all_single(out, in).wait();   // out[i] == i everywhere
+  PendingCollective all_to_all_single(at::Tensor output, at::Tensor input, std::string tag = {});
   /// Gathers a byte buffer of any size from every rank (blocking): result[r] is rank r's buffer.
   std::vector<std::vector<uint8_t>> all_gather_bytes(const std::vector<uint8_t>& local,
                                                      std::string tag = {});

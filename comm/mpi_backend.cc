@@ -163,6 +163,7 @@ const char* kind_name(int64_t code) {
     case c10d::OpType::ALLGATHER: return "allgather";
     case c10d::OpType::_ALLGATHER_BASE: return "all_gather_into_tensor";
     case c10d::OpType::_REDUCE_SCATTER_BASE: return "reduce_scatter_tensor";
+    case c10d::OpType::ALLTOALL_BASE: return "all_to_all_single";
     case c10d::OpType::BARRIER: return "barrier";
     default: return "another collective";
   }
@@ -492,6 +493,40 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::_reduce_scatter_base(
         if (average) divide_by(out, size);
       },
       {out}, {in, out});
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                         std::vector<int64_t>& output_split_sizes,
+                                                         std::vector<int64_t>& input_split_sizes,
+                                                         const c10d::AllToAllOptions& opts) {
+  check_cpu_contiguous(input, "all_to_all_single", "input");
+  check_cpu_contiguous(output, "all_to_all_single", "output");
+  check_same_dtype(output, input, "all_to_all_single");
+  TORCH_CHECK(output.numel() == input.numel(), "MPI backend all_to_all_single: the output must hold as "
+              "many elements as the input (", input.numel(), "), got ", output.numel());
+  TORCH_CHECK(input.dim() >= 1 && input.size(0) % size_ == 0, "MPI backend all_to_all_single: the "
+              "input's first dimension must hold one equal chunk per rank (a multiple of ", size_,
+              "), got sizes ", input.sizes());
+  const int64_t chunk = input.numel() / size_;
+  for (const auto* splits : {&output_split_sizes, &input_split_sizes}) {
+    bool equal = true;
+    for (int64_t s : *splits) equal &= s == input.size(0) / size_;
+    TORCH_CHECK(splits->empty() || (equal && static_cast<int>(splits->size()) == size_),
+                "MPI backend all_to_all_single: only equal splits are supported (no split sizes, or ",
+                size_, " of ", input.size(0) / size_, "), got ", c10::IntArrayRef(*splits));
+  }
+  MPI_Datatype type = mpi::datatype_for(input.scalar_type(), "all_to_all_single");
+  const int count = to_count(chunk, "all_to_all_single");
+  MPI_Comm comm = comm_;
+  at::Tensor in = input, out = output;
+  return enqueue(
+      c10d::OpType::ALLTOALL_BASE, "all_to_all_single",
+      fmt::format("{} elements of {} per rank and destination", chunk, c10::toString(input.scalar_type())),
+      {input.scalar_type(), chunk, 0},
+      [=](MPI_Request* r) {
+        return MPI_Ialltoall(in.data_ptr(), count, type, out.data_ptr(), count, type, comm, r);
+      },
+      {}, {out}, {in, out});
 }
 
 c10::intrusive_ptr<c10d::Work> MpiBackend::barrier(const c10d::BarrierOptions& opts) {

@@ -20,7 +20,8 @@
 // (`wait_drives_progress`, [Note: MPI progress] in comm/mpi_progress.h).
 //
 // Supported: broadcast, allreduce (SUM, AVG = SUM then divide, MAX, MIN, PRODUCT), allgather of a
-// list, allgather into one tensor, reduce-scatter from one tensor, barrier; dtypes float32, float64,
+// list, allgather into one tensor, reduce-scatter from one tensor, all-to-all with equal splits
+// (alltoall_base without split sizes), barrier; dtypes float32, float64,
 // float16, bfloat16 (16-bit reductions compute in float), int32, int64, uint8, int8, bool.
 
 #include <atomic>
@@ -111,6 +112,12 @@ class MpiBackend final : public c10d::Backend {
                                                  const c10d::AllgatherOptions& opts = {}) override;
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
       at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts = {}) override;
+  /// Equal splits only (empty split sizes, or W equal ones): the input's first dimension holds W
+  /// chunks, chunk j goes to rank j (MPI_Ialltoall).
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts = {}) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = {}) override;
 
  private:

@@ -167,6 +167,35 @@ FSDP_RANKS_TEST_CASE("reduce_scatter_tensor gives rank r the reduced slice r", "
   }
 }
 
+FSDP_RANKS_TEST_CASE("all_to_all_single sends chunk j to rank j", "[comm][mpi]") {
+  const int W = world_size();
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kLong, at::kByte}) {
+    for (int64_t count : {0, 1, 7, 1001}) {  // elements per rank and destination
+      // Rank r's chunk j holds 10 * r + j (+ i % 3 at element i): exact in every dtype above.
+      at::Tensor input = at::empty({W, count}, at::kLong);
+      for (int j = 0; j < W; ++j) input[j] = at::arange(count, at::kLong).remainder(3) + 10 * rank() + j;
+      at::Tensor output = at::full({W, count}, -1, at::TensorOptions().dtype(dtype));
+      world().all_to_all_single(output, input.to(dtype)).wait();
+      // Chunk i of the output is what rank i sent to this rank: its chunk `rank()`.
+      at::Tensor expected = at::empty({W, count}, at::kLong);
+      for (int i = 0; i < W; ++i) expected[i] = at::arange(count, at::kLong).remainder(3) + 10 * i + rank();
+      INFO("dtype " << dtype << ", " << count << " elements per destination");
+      CHECK(output.to(at::kLong).equal(expected));
+    }
+  }
+  // Split sizes other than equal ones are refused, naming them.
+  std::vector<int64_t> uneven(W, 2);
+  uneven[0] = 3;
+  std::vector<int64_t> none;
+  at::Tensor in = at::zeros({2 * W}), out = at::zeros({2 * W});
+  CHECK_THAT(fsdp::testing::error_of([&] { world().backend()->alltoall_base(out, in, uneven, uneven); }),
+             Catch::Matchers::Contains("all_to_all_single") && Catch::Matchers::Contains("only equal splits"));
+  if (W == 1) return;  // every count divides by one rank
+  at::Tensor odd_in = at::zeros({W * 2 + 1}), odd_out = at::zeros({W * 2 + 1});
+  CHECK_THAT(fsdp::testing::error_of([&] { world().backend()->alltoall_base(odd_out, odd_in, none, none); }),
+             Catch::Matchers::Contains("one equal chunk per rank"));
+}
+
 FSDP_RANKS_TEST_CASE("several asynchronous collectives in flight at once", "[comm][mpi]") {
   const int W = world_size();
   std::vector<at::Tensor> reduced;
@@ -259,6 +288,9 @@ FSDP_RANKS_TEST_CASE("the communicator counts calls and bytes per collective kin
   at::Tensor shard = at::empty({3}, at::kBFloat16);
   comm.reduce_scatter_tensor(shard, at::ones({3 * W}, at::kBFloat16)).wait();
   comm.all_reduce(at::ones({10}, at::kDouble)).wait();
+  comm.all_to_all_single(at::empty({W, 5}, at::kByte), at::ones({W, 5}, at::kByte)).wait();
+  CHECK(comm.stats(CollectiveKind::kAllToAll).calls == 1);
+  CHECK(comm.stats(CollectiveKind::kAllToAll).bytes == W * 5);
   CHECK(comm.stats(CollectiveKind::kAllGather).calls == 2);
   CHECK(comm.stats(CollectiveKind::kAllGather).bytes == 2 * W * 6 * 4);
   CHECK(comm.stats(CollectiveKind::kReduceScatter).calls == 1);

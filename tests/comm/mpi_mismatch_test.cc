@@ -149,3 +149,28 @@ FSDP_RANKS_TEST_CASE("equal-sized all-gathers of different units fail on every r
   CHECK(out.equal(at::ones({W * 8})));
   check_group_still_works();
 }
+
+FSDP_RANKS_TEST_CASE("an all-to-all on one rank against a reduce-scatter on the others is named on every rank",
+                     "[comm][mpi][mismatch]") {
+  // A unit with a reduce codec on the last rank only, outside the checked iterations: the size
+  // check names both collectives and the unit's tag instead of a hang.
+  const int W = world_size();
+  const std::string error = error_of([&] {
+    fsdp::comm::IssuingApi api("fully_shard post-backward of unit 'blocks.1'");
+    if (last_rank()) {
+      world().all_to_all_single(at::empty({W, 12}, at::kByte), at::ones({W, 12}, at::kByte), "blocks.1").wait();
+    } else {
+      world().reduce_scatter_tensor(at::empty({12}), at::ones({W * 12}), c10d::ReduceOp::SUM, "blocks.1").wait();
+    }
+  });
+  INFO(error);
+  if (last_rank()) {
+    CHECK_THAT(error, Contains("all_to_all_single #") && Contains("(12 elements of Byte per rank and destination)") &&
+                          Contains("this rank issued all_to_all_single, another rank reduce_scatter_tensor"));
+  } else {
+    CHECK_THAT(error, Contains("reduce_scatter_tensor #") &&
+                          Contains("this rank issued reduce_scatter_tensor, another rank all_to_all_single"));
+  }
+  CHECK_THAT(error, Contains("collective tagged 'blocks.1'") && Contains("not run on any rank"));
+  check_group_still_works();
+}

@@ -277,6 +277,7 @@ const char* kind_name(CollectiveKind kind) {
     case CollectiveKind::kAllGatherList: return "all_gather_list";
     case CollectiveKind::kAllGatherBytes: return "all_gather_bytes";
     case CollectiveKind::kBarrier: return "barrier";
+    case CollectiveKind::kAllToAll: return "all_to_all";
   }
   return "?";
 }
