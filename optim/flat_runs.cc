@@ -65,10 +65,12 @@ std::vector<ParamRun> find_runs(const std::vector<at::Tensor>& params, int64_t m
     const at::Tensor& g = p.grad();
     if (!g.defined()) continue;
     if (p.numel() == 0 || !can_join(p, g)) {
-      close_run(run, params, runs);
-      run.members.push_back(i);
-      run.offsets.push_back(0);
-      close_run(run, params, runs);
+      // Alone; an empty parameter holds no element, so it does not split the run around it.
+      if (p.numel() != 0) close_run(run, params, runs);
+      ParamRun single;
+      single.members.push_back(i);
+      single.offsets.push_back(0);
+      close_run(single, params, runs);
       continue;
     }
     if (!run.members.empty()) {

@@ -53,7 +53,7 @@ struct Pair {
   std::vector<at::Tensor> params;  // views of it
   std::vector<at::Tensor> ref;     // separate tensors
 
-  explicit Pair(const std::vector<std::vector<int64_t>>& shapes = kShapes, uint64_t seed = 0) {
+  explicit Pair(const std::vector<std::vector<int64_t>>& shapes, uint64_t seed = 0) {
     for (const auto& s : shapes) {
       offsets.push_back(total);
       int64_t n = 1;
@@ -179,5 +179,190 @@ TEST_CASE("SGD steps a flat run bit for bit as torch::optim::SGD", "[optim]") {
   for (const auto& [name, options] : cases) {
     INFO(name);
     run_steps<fsdp::optim::SGD, torch::optim::SGD>(options, 5);
+  }
+}
+
+TEST_CASE("Param groups split runs; parameters outside the optimizer are never written", "[optim]") {
+  SECTION("two groups, each a contiguous part of the storage, different hyperparameters") {
+    Pair pair(kShapes);
+    auto groups = [](const std::vector<at::Tensor>& ps) {
+      std::vector<torch::optim::OptimizerParamGroup> g;
+      g.emplace_back(std::vector<at::Tensor>(ps.begin(), ps.begin() + 4),
+                     std::make_unique<AdamWOptions>(AdamWOptions(1e-2).weight_decay(0.1)));
+      g.emplace_back(std::vector<at::Tensor>(ps.begin() + 4, ps.end()),
+                     std::make_unique<AdamWOptions>(AdamWOptions(3e-2).amsgrad(true).weight_decay(0)));
+      return g;
+    };
+    fsdp::optim::AdamW flat(groups(pair.params));
+    torch::optim::AdamW ref(groups(pair.ref));
+    for (int it = 0; it < 4; ++it) {
+      pair.set_grads(it);
+      flat.step();
+      ref.step();
+      CHECK(flat.last_step().flat_runs == 2);
+      CHECK(flat.last_step().flat_params == static_cast<int64_t>(kShapes.size()));
+      check_equal(pair, flat, ref);
+    }
+  }
+  SECTION("every other parameter: no run, and the others keep their values") {
+    Pair pair(kShapes);
+    std::vector<at::Tensor> odd_flat, odd_ref;
+    for (size_t i = 1; i < pair.params.size(); i += 2) {
+      odd_flat.push_back(pair.params[i]);
+      odd_ref.push_back(pair.ref[i]);
+    }
+    fsdp::optim::SGD flat(odd_flat, SGDOptions(0.1).momentum(0.9).weight_decay(0.1));
+    torch::optim::SGD ref(odd_ref, SGDOptions(0.1).momentum(0.9).weight_decay(0.1));
+    for (int it = 0; it < 3; ++it) {
+      pair.set_grads(it);  // the even parameters have gradients too
+      flat.step();
+      ref.step();
+      CHECK(flat.last_step().flat_runs == 0);
+      CHECK(flat.last_step().single_params == static_cast<int64_t>(odd_flat.size()));
+      check_equal(pair, flat, ref);  // the even ones: neither optimizer touched them
+    }
+  }
+}
+
+TEST_CASE("Parameters without a gradient: runs split, step counters as torch::optim's", "[optim]") {
+  Pair pair(kShapes);
+  fsdp::optim::Adam flat(pair.params, AdamOptions(1e-2).weight_decay(0.01).amsgrad(true));
+  torch::optim::Adam ref(pair.ref, AdamOptions(1e-2).weight_decay(0.01).amsgrad(true));
+  const std::vector<std::vector<size_t>> without = {{}, {3}, {0, 8}, {}, {4, 5}, {}};
+  for (size_t it = 0; it < without.size(); ++it) {
+    INFO("step " << it);
+    pair.set_grads(static_cast<int>(it), without[it]);
+    flat.step();
+    ref.step();
+    check_equal(pair, flat, ref);
+    CHECK(flat.last_step().flat_params + flat.last_step().single_params ==
+          static_cast<int64_t>(kShapes.size() - without[it].size()));
+  }
+  // Step 1 split the run at parameter 3: [0..2] and [4..8]; step 3 found counters that differ
+  // (0 and 8 missed step 2, 3 missed step 1) and stepped the run in segments. Six steps:
+  auto& s3 = static_cast<torch::optim::AdamParamState&>(*flat.state().at(pair.params[3].unsafeGetTensorImpl()));
+  auto& s1 = static_cast<torch::optim::AdamParamState&>(*flat.state().at(pair.params[1].unsafeGetTensorImpl()));
+  CHECK(s3.step() == 5);
+  CHECK(s1.step() == 6);
+}
+
+TEST_CASE("Replaced or loaded state is adopted into a flat buffer again", "[optim]") {
+  Pair pair(kShapes);
+  const auto options = AdamWOptions(1e-2).amsgrad(true);
+  fsdp::optim::AdamW flat(pair.params, options);
+  torch::optim::AdamW ref(pair.ref, options);
+  for (int it = 0; it < 2; ++it) {
+    pair.set_grads(it);
+    flat.step();
+    ref.step();
+  }
+  // The user replaces one state tensor (same values): the next step adopts it.
+  auto& s = static_cast<torch::optim::AdamWParamState&>(*flat.state().at(pair.params[2].unsafeGetTensorImpl()));
+  s.exp_avg(s.exp_avg().clone());
+  pair.set_grads(2);
+  flat.step();
+  ref.step();
+  CHECK(flat.last_step().adopted == 1);
+  check_equal(pair, flat, ref);
+  // Writes into a state tensor reach the buffer (it is a view): the same write on both sides.
+  auto& r = static_cast<torch::optim::AdamWParamState&>(*ref.state().at(pair.ref[5].unsafeGetTensorImpl()));
+  static_cast<torch::optim::AdamWParamState&>(*flat.state().at(pair.params[5].unsafeGetTensorImpl())).exp_avg().mul_(2);
+  r.exp_avg().mul_(2);
+  pair.set_grads(3);
+  flat.step();
+  ref.step();
+  CHECK(flat.last_step().adopted == 0);
+  check_equal(pair, flat, ref);
+
+  // save/load across the two kinds: the flat optimizer's archive into torch::optim and back.
+  std::stringstream flat_saved, ref_saved;
+  torch::save(flat, flat_saved);
+  torch::save(ref, ref_saved);
+  Pair other(kShapes);  // a second copy of the same parameters
+  fsdp::optim::AdamW flat2(other.params, options);
+  torch::optim::AdamW ref2(other.ref, options);
+  torch::load(flat2, ref_saved);  // torch::optim's archive into the flat optimizer
+  torch::load(ref2, flat_saved);  // and the other way
+  for (size_t i = 0; i < other.params.size(); ++i) {
+    torch::NoGradGuard no_grad;
+    other.params[i].copy_(pair.params[i]);
+    other.ref[i].copy_(pair.ref[i]);
+  }
+  for (int it = 4; it < 7; ++it) {
+    other.set_grads(it);
+    flat2.step();
+    ref2.step();
+    if (it == 4) CHECK(flat2.last_step().adopted == 3);
+    check_equal(other, flat2, ref2);
+  }
+}
+
+TEST_CASE("Plain LibTorch modules: every parameter alone, the same values", "[optim]") {
+  torch::manual_seed(0);
+  torch::nn::Linear a(5, 7), b(5, 7);
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < a->parameters().size(); ++i) b->parameters()[i].copy_(a->parameters()[i]);
+  }
+  fsdp::optim::SGD flat(a->parameters(), SGDOptions(0.1).momentum(0.9).nesterov(true));
+  torch::optim::SGD ref(b->parameters(), SGDOptions(0.1).momentum(0.9).nesterov(true));
+  for (int it = 0; it < 3; ++it) {
+    const at::Tensor x = torch::randn({4, 5});
+    a(x).square().sum().backward();
+    b(x).square().sum().backward();
+    flat.step();
+    ref.step();
+    flat.zero_grad();
+    ref.zero_grad();
+    CHECK(flat.last_step().flat_runs == 0);
+    CHECK(flat.last_step().single_params == 2);
+    for (size_t i = 0; i < 2; ++i) CHECK(torch::equal(a->parameters()[i], b->parameters()[i]));
+    CHECK_FALSE(a->parameters()[0].grad().defined());
+  }
+}
+
+TEST_CASE("Runs: eps == 0 allows no padding; empty parameters; closures", "[optim]") {
+  SECTION("Adam with eps == 0 steps only unpadded neighbours together") {
+    // {4} and {8} are adjacent without padding, {3} is followed by padding.
+    Pair pair(std::vector<std::vector<int64_t>>{{4}, {8}, {3}, {5}});
+    fsdp::optim::Adam flat(pair.params, AdamOptions(1e-2).eps(0));
+    torch::optim::Adam ref(pair.ref, AdamOptions(1e-2).eps(0));
+    pair.set_grads(0);
+    flat.step();
+    ref.step();
+    CHECK(flat.last_step().flat_runs == 1);
+    CHECK(flat.last_step().flat_params == 3);  // {4}, {8}, {3}; {5} after the padding alone
+    check_equal(pair, flat, ref);
+    CHECK_FALSE(pair.flat.isnan().any().item<bool>());
+  }
+  SECTION("an empty parameter inside a run is stepped as torch::optim steps it") {
+    Pair pair(std::vector<std::vector<int64_t>>{{6}, {0}, {10}});
+    fsdp::optim::AdamW flat(pair.params, AdamWOptions(1e-2));
+    torch::optim::AdamW ref(pair.ref, AdamWOptions(1e-2));
+    for (int it = 0; it < 2; ++it) {
+      pair.set_grads(it);
+      flat.step();
+      ref.step();
+      CHECK(flat.last_step().flat_params == 2);
+      CHECK(flat.last_step().single_params == 1);
+      check_equal(pair, flat, ref);
+    }
+  }
+  SECTION("the closure runs with gradients enabled and its loss is returned") {
+    Pair pair(std::vector<std::vector<int64_t>>{{6}, {10}});
+    fsdp::optim::SGD flat(pair.params, SGDOptions(0.1));
+    torch::optim::SGD ref(pair.ref, SGDOptions(0.1));
+    auto closure = [](std::vector<at::Tensor> ps) {
+      return [ps] {
+        at::Tensor loss = ps[0].square().sum() + ps[1].sum();
+        for (const auto& p : ps) p.mutable_grad() = at::Tensor();
+        loss.backward();
+        return loss;
+      };
+    };
+    const at::Tensor loss = flat.step(closure(pair.params));
+    const at::Tensor ref_loss = ref.step(closure(pair.ref));
+    CHECK(torch::equal(loss, ref_loss));
+    check_equal(pair, flat, ref);
   }
 }
