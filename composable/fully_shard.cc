@@ -21,6 +21,7 @@
 #include "fsdp_cpp/fsdp/forward_errors.h"
 #include "fsdp_cpp/fsdp/fsdp_state.h"
 #include "fsdp_cpp/fsdp/gradient_guard.h"
+#include "fsdp_cpp/fsdp/post_forward_group.h"
 #include "fsdp_cpp/fsdp/tied_parameters.h"
 #include "fsdp_cpp/fsdp/unit_tree.h"
 
@@ -201,14 +202,41 @@ void check_one_device_per_flat_param(const std::vector<FlatParamHandle::OrigPara
   }
 }
 
+// The options that decide which collectives a unit issues and over which groups, as the ranks
+// compare them when fully_shard communicates.
+std::string collective_settings(const FullyShardOptions& options) {
+  std::string settings = std::string("strategy ") + to_string(options.strategy());
+  if (const auto& group = options.post_forward_group_size()) {
+    settings += ", reshard_after_forward(" + std::to_string(*group) + ")";
+  }
+  return settings;
+}
+
 // The ranks' outcomes of the checks over `comm`: "" when every rank passed, else the same error
-// on every rank (one rank's message when all refused alike, else one line per rank).
-std::string agreed_error(comm::Communicator& comm, const std::string& mine, const std::string& fqn) {
-  const auto all = comm.all_gather_bytes(std::vector<uint8_t>(mine.begin(), mine.end()), "fully_shard checks");
-  std::vector<std::string> errors;
-  for (const auto& bytes : all) errors.emplace_back(bytes.begin(), bytes.end());
+// on every rank (one rank's message when all refused alike, else one line per rank). `settings`
+// (collective_settings) must be the same on every rank: else that is the error, naming each rank's.
+std::string agreed_error(comm::Communicator& comm, const std::string& mine, const std::string& fqn,
+                         const std::string& settings) {
+  const std::string local = mine + '\x1f' + settings;
+  const auto all = comm.all_gather_bytes(std::vector<uint8_t>(local.begin(), local.end()), "fully_shard checks");
+  std::vector<std::string> errors, ranks_settings;
+  for (const auto& bytes : all) {
+    const std::string text(bytes.begin(), bytes.end());
+    const size_t cut = text.find('\x1f');
+    errors.push_back(text.substr(0, cut));
+    ranks_settings.push_back(cut == std::string::npos ? "" : text.substr(cut + 1));
+  }
   const bool any = std::any_of(errors.begin(), errors.end(), [](const std::string& e) { return !e.empty(); });
-  if (!any) return "";
+  if (!any) {
+    const bool same = std::all_of(ranks_settings.begin(), ranks_settings.end(),
+                                  [&](const std::string& x) { return x == ranks_settings[0]; });
+    if (same) return "";
+    std::ostringstream message;
+    message << "fully_shard: module " << fqn << " was given options that differ across ranks (nothing was "
+            << "changed on any rank); every rank must shard a unit alike:";
+    for (size_t r = 0; r < ranks_settings.size(); ++r) message << "\n  rank " << r << ": " << ranks_settings[r];
+    return message.str();
+  }
   const bool same = std::all_of(errors.begin(), errors.end(), [&](const std::string& e) { return e == errors[0]; });
   if (same) return errors[0];  // every rank refused alike (the usual case)
   std::ostringstream message;
@@ -348,6 +376,10 @@ void check_contents(const UnitContents& unit, const FSDPConfig& config, const st
   std::unordered_set<const void*> moving;
   for (const auto& move : unit.tied.moves) moving.insert(move.param);
   check_one_device_per_flat_param(unit.params, moving, fqn);
+  if (const auto& group = options.post_forward_group_size()) {
+    const std::string error = post_forward_group_size_error(*group, config.comm->size());
+    TORCH_CHECK(error.empty(), "fully_shard: module ", fqn, ": ", error);
+  }
   TORCH_CHECK(options.max_unshards_in_flight() >= 1, "fully_shard: max_unshards_in_flight must be "
               "at least 1, got ", options.max_unshards_in_flight());
 }
@@ -356,13 +388,18 @@ void check_contents(const UnitContents& unit, const FSDPConfig& config, const st
 // (the tied-parameter moves, meta materialization, the sync broadcast, buffer casts and the
 // FlatParameters come after), including what only the FlatParamHandle constructor used to check
 // (floating-point mixed-precision dtypes, one device per FlatParameter). When this call
-// communicates (several ranks, and sync_module_states, a mesh, or units below whose tied
-// parameters may move here), the ranks exchange the outcome of the checks first, so a check that
-// fails on some ranks only fails on every rank before any collective, with the same error.
+// communicates (several ranks, and sync_module_states, a mesh, reshard_after_forward(int), or
+// units below whose tied parameters may move here), the ranks exchange the outcome of the checks
+// first, so a check that fails on some ranks only fails on every rank before any collective, with
+// the same error; and the options that decide the unit's collectives (collective_settings), so
+// ranks given different ones are refused alike. A rank that does not communicate cannot be
+// compared here: on the MPI backend its next collective fails on every rank ([Note: MPI size
+// check]), on others the divergence check of the first iteration names it.
 UnitContents decide_unit(const std::vector<torch::nn::Module*>& modules, const FSDPConfig& config,
                          const std::string& fqn) {
   const FullyShardOptions& options = config.options;
   const bool may_communicate = config.comm->size() > 1 && (options.sync_module_states() || options.mesh() ||
+                                                           options.post_forward_group_size() ||
                                                            has_unit_inside(modules));
   UnitContents unit;
   std::string refused;  // this rank's error, when may_communicate
@@ -376,9 +413,10 @@ UnitContents decide_unit(const std::vector<torch::nn::Module*>& modules, const F
   if (may_communicate) {
     // Both exchanges before any rank throws: with a mesh the sync broadcast also crosses the
     // replicate groups.
-    std::string error = agreed_error(*config.comm, refused, fqn);
+    const std::string settings = collective_settings(options);
+    std::string error = agreed_error(*config.comm, refused, fqn, settings);
     if (config.replicate) {
-      std::string across = agreed_error(*config.replicate, error, fqn);
+      std::string across = agreed_error(*config.replicate, error, fqn, settings);
       if (!across.empty()) error = std::move(across);
     }
     TORCH_CHECK(error.empty(), error);
@@ -466,8 +504,11 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
   check_modules(modules);
   const std::string fqn = unit_fqn(modules);
   check_options(options, fqn);
-  const FSDPConfig config = resolve_config(options, fqn);
+  FSDPConfig config = resolve_config(options, fqn);
   const UnitContents unit = decide_unit(modules, config, fqn);
+  // Collective over the shard group the first time (every rank agreed on the size above).
+  const auto& group = options.post_forward_group_size();
+  if (group && *group < config.comm->size()) config.post_forward_group = post_forward_group(config.comm, *group);
   // After every check: errors above change nothing. Tied parameters moving into this unit get
   // their full-precision values back, and the units they leave are rebuilt (collective).
   take_tied_parameters(unit.tied);
@@ -527,6 +568,10 @@ void FSDPModule::set_requires_all_reduce(bool all_reduce, bool recurse) {
 std::optional<double> FSDPModule::gradient_divide_factor() const { return state_->gradient_divide_factor(); }
 
 bool FSDPModule::requires_all_reduce() const { return state_->requires_all_reduce(); }
+
+void FSDPModule::set_unshard_in_backward(bool unshard) { state_->set_unshard_in_backward(unshard); }
+
+bool FSDPModule::unshard_in_backward() const { return state_->unshard_in_backward(); }
 
 std::vector<FSDPState*> FSDPModule::states_of(const std::vector<FSDPModule>& units) {
   std::vector<FSDPState*> states;

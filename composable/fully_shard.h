@@ -94,6 +94,18 @@ class FSDPModule {
   /// The unit's settings of the two above (nullopt: no custom factor).
   std::optional<double> gradient_divide_factor() const;
   bool requires_all_reduce() const;
+  /// FSDP2's set_unshard_in_backward, for this unit only: false when its backward needs none of
+  /// its parameters' values, e.g. an embedding whose input (token ids) needs no gradient (its
+  /// weight's gradient is a scatter of the output's gradient). Its backward then all-gathers
+  /// nothing and holds no unsharded parameters; its gradients are reduced as usual. A backward
+  /// that does read the values (a Linear's input gradient) fails on every rank with LibTorch's
+  /// "data is not allocated yet" error, and training can go on after setting it back to true.
+  /// Units kept unsharded from forward (SHARD_GRAD_OP, NO_SHARD, the root) are not affected.
+  /// Every rank must set it alike: the ranks compare it when each backward pass begins.
+  ///
+  ///   fsdp::fully_shard(*model->tok_emb).set_unshard_in_backward(false);
+  void set_unshard_in_backward(bool unshard);
+  bool unshard_in_backward() const;
   /// Explicit prefetching (FSDP2's set_modules_to_forward_prefetch / _backward_prefetch): this
   /// unit's pre-forward (pre-backward) issues the all-gathers of `units`, instead of the implicit
   /// next unit. An empty list turns prefetching off for this unit.

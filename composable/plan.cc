@@ -212,6 +212,9 @@ void plan_unit_settings(UnitPlan& unit, const FSDPState& state, bool is_root, co
   }
   unit.strategy = planned_strategy(config);
   unit.reshards_after_forward = !unit.is_root && config.reshard_after_forward();
+  if (unit.reshards_after_forward && config.post_forward_group) {
+    unit.post_forward_group_size = config.post_forward_group->size();
+  }
   unit.shard_group_size = config.comm->size();
   unit.replicate_group_size = config.replicate ? config.replicate->size() : 1;
   unit.param_dtype = config.options.mixed_precision().param_dtype();
@@ -264,8 +267,16 @@ void plan_handle_memory_and_communication(const FlatParamHandle& handle, const F
   if (h.sharded) {
     const int64_t gathered = h.padded_numel * element_size(h.compute_dtype);
     const int gathers = unit.reshards_after_forward ? 2 : 1;  // forward, and again in backward
-    c.all_gather.calls += gathers;
-    c.all_gather.bytes += gathers * gathered;
+    if (unit.post_forward_group_size > 0) {  // backward's inside the post-forward group
+      c.all_gather.calls += 1;
+      c.all_gather.bytes += gathered;
+      c.post_forward_all_gather.calls += 1;
+      c.post_forward_all_gather.bytes += gathered;
+      result.unsharded_params.post_forward += gathered / unit.post_forward_group_size;
+    } else {
+      c.all_gather.calls += gathers;
+      c.all_gather.bytes += gathers * gathered;
+    }
   }
   if (h.trainable) {
     const int64_t reduced = h.padded_numel * element_size(h.reduce_dtype);
@@ -426,9 +437,9 @@ ShardingPlan plan(torch::nn::Module& root_module, const PlanOptions& options) {
       tally.offloaded_optimizer_per_rank[static_cast<size_t>(result.rank)];
 
   // Each backward pass begins with the ranks agreeing where it reaches the units ([Note: backward
-  // reach] in fsdp/backward_reach.h): 2 int64 per unit and 2 more, over each group of several ranks.
+  // reach] in fsdp/backward_reach.h): 4 int64 per unit and 2 more, over each group of several ranks.
   if (!tally.passthrough) {
-    const int64_t agreement_bytes = (2 * static_cast<int64_t>(states.size()) + 2) * 8;
+    const int64_t agreement_bytes = (4 * static_cast<int64_t>(states.size()) + 2) * 8;
     for (const int group_size : {shard_size, root_config.replicate ? root_config.replicate->size() : 1}) {
       if (group_size < 2) continue;
       result.communication.all_reduce.calls += 1;
@@ -503,6 +514,9 @@ std::ostream& operator<<(std::ostream& out, const ShardingPlan& plan) {
       s << " (shard group of " << unit.shard_group_size << " x " << unit.replicate_group_size << " replicas)";
     }
     if (unit.is_root) s << ", root: unsharded from forward to the end of backward";
+    if (unit.post_forward_group_size > 0) {
+      s << ", resharded after forward to groups of " << unit.post_forward_group_size << " ranks";
+    }
     if (unit.param_dtype || unit.reduce_dtype) {
       s << ", mixed precision: param " << (unit.param_dtype ? c10::toString(*unit.param_dtype) : "-")
         << " reduce " << (unit.reduce_dtype ? c10::toString(*unit.reduce_dtype) : unit.param_dtype ? c10::toString(*unit.param_dtype) : "-");
@@ -568,7 +582,9 @@ std::ostream& operator<<(std::ostream& out, const ShardingPlan& plan) {
   s << "  " << pad_right("unsharded parameters, peak", kLabel) << bytes_string(u.total()) << " = root "
     << bytes_string(u.root) << " + kept from forward to backward " << bytes_string(u.kept) << " + "
     << u.units_in_flight << " largest " << (u.units_in_flight == 1 ? "unit" : "units") << " in flight "
-    << bytes_string(u.in_flight) << "\n";
+    << bytes_string(u.in_flight);
+  if (u.post_forward > 0) s << " + post-forward slices " << bytes_string(u.post_forward);
+  s << "\n";
   s << "  " << pad_right("unsharded gradients, at most", kLabel) << bytes_string(plan.unsharded_grads_bound)
     << "\n";
   if (plan.options.optimizer() == PlanOptimizer::kAdam || plan.options.optimizer() == PlanOptimizer::kAdamW) {
@@ -583,6 +599,10 @@ std::ostream& operator<<(std::ostream& out, const ShardingPlan& plan) {
   comm_row("all_gather_into_tensor", c.all_gather);
   comm_row("reduce_scatter_tensor", c.reduce_scatter);
   comm_row("all_reduce", c.all_reduce);
+  if (c.post_forward_all_gather.calls > 0) {
+    comm_row("all_gather_into_tensor", c.post_forward_all_gather);
+    s << "    (the line above: backward all-gathers inside the post-forward groups, not in the first line)\n";
+  }
   return out << s.str();
 }
 

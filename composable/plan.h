@@ -154,6 +154,9 @@ struct UnitPlan {
   PlannedStrategy strategy = PlannedStrategy::kFullShard;
   /// Resharded after forward and all-gathered again in backward (FULL_SHARD, not the root).
   bool reshards_after_forward = true;
+  /// reshard_after_forward(int) below the shard group's size: the post-forward group's size
+  /// (the backward all-gather runs inside it); 0 otherwise.
+  int post_forward_group_size = 0;
   /// The ranks it shards over, and the replicas its gradients are all-reduced across (HSDP).
   int shard_group_size = 1;
   int replicate_group_size = 1;
@@ -197,7 +200,10 @@ struct UnshardedPeak {
   int64_t kept = 0;         // units kept unsharded from forward to backward
   int64_t in_flight = 0;    // the largest units resharded after forward, unsharded at once
   int units_in_flight = 0;  // how many units in_flight counts
-  int64_t total() const { return root + kept + in_flight; }
+  /// reshard_after_forward(int): every such unit's post-forward slice (padded bytes / group
+  /// size), all held at the end of forward.
+  int64_t post_forward = 0;
+  int64_t total() const { return root + kept + in_flight + post_forward; }
 };
 
 struct CollectivePlan {
@@ -210,6 +216,9 @@ struct CommunicationPlan {
   CollectivePlan all_gather;      // comm::CollectiveKind::kAllGather
   CollectivePlan reduce_scatter;  // comm::CollectiveKind::kReduceScatter
   CollectivePlan all_reduce;      // comm::CollectiveKind::kAllReduce
+  /// reshard_after_forward(int): the backward all-gathers inside the post-forward groups (counted
+  /// by those groups' communicators, not in all_gather).
+  CollectivePlan post_forward_all_gather;
 };
 
 /// What plan() returns; print it with operator<<.

@@ -125,7 +125,7 @@ void begin_backward_pass(RootContext& context) {
     for (const auto& handle : unit->handles()) handle->prepare_gradients_for_backward();
     // Reached on some ranks only: all-gathered now, in forward order, by every rank (those the pass
     // does not reach issue no pre-backward), and kept unsharded until the end of the pass.
-    if (reach == PassReach::kSomeRanks) context.scheduler().start_unshard(*unit);
+    if (reach == PassReach::kSomeRanks && unit->unshard_in_backward()) context.scheduler().start_unshard(*unit);
   }
 }
 
@@ -134,6 +134,10 @@ void begin_backward_pass(RootContext& context) {
 // units in a different order), every rank must be gathering the same unit with the same sizes.
 void check_before_backward_all_gather(RootContext& context, const FSDPState& unit) {
   if (!context.divergence().enabled()) return;
+  if (!unit.unshard_in_backward()) {
+    context.check_ranks_agree(Fingerprint("uses '" + unit.fqn() + "' in backward without all-gathering it"));
+    return;
+  }
   Fingerprint f("all-gathers '" + unit.fqn() + "' for backward");
   add_all_gather_fields(f, unit.handles(), /*needs_all_gather=*/true);
   context.check_ranks_agree(std::move(f));
@@ -145,6 +149,7 @@ void prefetch_for_backward(RootContext& context, const FSDPState& unit) {
   for (FSDPState* next : prefetch_targets(unit, explicit_targets, context.iteration_state().forward_order(), -1)) {
     // Units reached on some ranks only were all-gathered when the pass began.
     if (next->iteration().reduced() || next->iteration().pass_reach() != PassReach::kEveryRank) continue;
+    if (!next->unshard_in_backward()) continue;  // [Note: unshard in backward]: nothing to gather
     const bool bounded = explicit_targets == nullptr;
     if (!context.scheduler().would_prefetch(*next, unit, bounded)) continue;
     check_before_backward_all_gather(context, *next);
@@ -205,7 +210,19 @@ void pre_backward(FSDPState& unit, int64_t tag) {
     unit.iteration().set_pass_reach(PassReach::kEveryRank);
     for (const auto& handle : unit.handles()) handle->prepare_gradients_for_backward();
   }
-  context.scheduler().unshard(unit);
+  // [Note: unshard in backward] set_unshard_in_backward(false): the unit's backward needs no
+  // parameter values (an embedding whose input needs no gradient: its weight's gradient is a
+  // scatter of the output's). Nothing is all-gathered; the parameters become full-shape views of
+  // the freed unsharded buffer, so autograd accumulates into the flat gradient buffer as usual,
+  // and the gradient is reduced as usual. A backward that does read the values (a Linear's input
+  // gradient) fails with LibTorch's "data is not allocated yet" on every rank alike, and the
+  // next root forward discards the iteration. Ranks that disagree are refused at the pass begin
+  // ([Note: backward reach]).
+  if (unit.unshard_in_backward()) {
+    context.scheduler().unshard(unit);
+  } else {
+    unit.use_unsharded_views_without_data();
+  }
   for (const auto& handle : unit.handles()) handle->prepare_gradient_buffer();
   unit.set_training_state(TrainingState::kPreBackward);
   // Not from a unit the pass reaches on some ranks only: the others run no hook for it.

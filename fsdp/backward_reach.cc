@@ -28,6 +28,16 @@ int64_t order_hash(const std::vector<int64_t>& positions) {
   return static_cast<int64_t>(h >> 2);
 }
 
+// FNV-1a over a string; 62 bits, as order_hash.
+int64_t text_hash(const std::string& text) {
+  uint64_t h = 1469598103934665603ULL;
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 1099511628211ULL;
+  }
+  return static_cast<int64_t>(h >> 2);
+}
+
 std::string unit_list(const std::vector<FSDPState*>& units) {
   std::string s;
   for (const FSDPState* u : units) s += (s.empty() ? "'" : ", '") + (u->fqn().empty() ? "<root>" : u->fqn()) + "'";
@@ -54,15 +64,20 @@ void agree_backward_reach(RootContext& context) {
   std::unordered_map<const FSDPState*, int64_t> position;
   for (size_t i = 0; i < n; ++i) position[units[i]] = static_cast<int64_t>(i);
 
-  // [reached here (n), -reached here (n), order hash, -order hash], reduced with MAX: the first
-  // half says whether any rank reaches each unit, the second whether every rank does.
-  at::Tensor fields = at::empty({static_cast<int64_t>(2 * n + 2)}, at::kLong);
+  // [reached here (n), -reached here (n), order hash, -order hash, controls hash (n), -controls
+  // hash (n)], reduced with MAX: the first half says whether any rank reaches each unit, the
+  // second whether every rank does; a hash and its negation agree only where every rank has the
+  // same value.
+  at::Tensor fields = at::empty({static_cast<int64_t>(4 * n + 2)}, at::kLong);
   int64_t* f = fields.data_ptr<int64_t>();
   for (size_t i = 0; i < n; ++i) {
     const UnitIteration& it = units[i]->iteration();
     const int64_t here = it.may_get_gradients() && it.reached_in_pass([&](torch::autograd::Node* node) { return runs_in_current_pass(context, node); }) ? 1 : 0;
     f[i] = here;
     f[n + i] = -here;
+    const int64_t controls = text_hash(units[i]->controls_string());
+    f[2 * n + 2 + i] = controls;
+    f[3 * n + 2 + i] = -controls;
   }
   std::vector<int64_t> ran;
   ran.reserve(order.size());
@@ -86,6 +101,14 @@ void agree_backward_reach(RootContext& context) {
               "only, e.g. an expert that got no tokens or a tower whose input is absent on some ranks, "
               "must still be called on every rank (with an empty batch). Rerun with FSDP_DEBUG=1 to "
               "have the ranks compare every step.");
+  for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK(f[2 * n + 2 + i] == -f[3 * n + 2 + i], "fully_shard: the ranks set different controls on unit '",
+                units[i]->fqn().empty() ? "<root>" : units[i]->fqn(), "' of root '", context.root()->fqn(),
+                "' for the backward pass of iteration ", context.iteration_state().iterations(), " (this rank: ",
+                units[i]->controls_string(), "). They decide which collectives the unit issues, so every rank "
+                "must set them alike (FSDPModule::set_requires_gradient_sync, set_gradient_divide_factor, "
+                "set_requires_all_reduce, set_unshard_in_backward, set_reshard_after_backward); nothing was reduced.");
+  }
   for (size_t i = 0; i < n; ++i) {
     const bool any = f[i] > 0;
     const bool every = -f[n + i] > 0;

@@ -2,6 +2,7 @@
 
 #include <ATen/record_function.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/GradMode.h>
 
 namespace fsdp {
 
@@ -9,9 +10,18 @@ FlatParamHandle::FlatParamHandle(std::vector<OrigParam> params,
                                  std::shared_ptr<comm::Communicator> comm, std::string unit_fqn,
                                  FlatParamHandleOptions options)
     : comm_(std::move(comm)),
+      post_forward_group_(options.post_forward_group),
       storage_(std::move(params), comm_, std::move(unit_fqn), options),
       streams_(device_streams_for(storage_.compute_device())),
-      grad_(storage_, comm_, options, streams_, storage_.take_initial_grads()) {}
+      grad_(storage_, comm_, options, streams_, storage_.take_initial_grads()) {
+  if (!storage_.sharded()) post_forward_group_ = nullptr;  // nothing is gathered: nothing to keep
+  if (post_forward_group_) {
+    const int k = post_forward_group_->size();
+    TORCH_CHECK(k >= 1 && comm_->size() % k == 0 && storage_.layout().padded_numel % k == 0,
+                "fully_shard: the post-forward group of '", storage_.unit_fqn(), "' has ", k,
+                " ranks, which does not divide the ", comm_->size(), " ranks it shards across");
+  }
+}
 
 void FlatParamHandle::start_unshard() {
   if (storage_.is_unsharded() || pending_unshard_.valid() || !storage_.sharded()) return;
@@ -20,21 +30,59 @@ void FlatParamHandle::start_unshard() {
   // [Note: streams] The unshard stream waits for the compute stream only if the shard may have
   // been written there since the iteration began (or outside an iteration).
   const bool shard_written = shard_written_since_gathered();
+  // [Note: post-forward group] The slice kept after forward was written on the compute stream.
+  const bool from_post_forward = post_forward_shard_.defined();
   try {
     streams_->on_unshard_stream([&] {
       // Allocated while the unshard stream is current: the allocator orders its reuse on that stream.
       storage_.grow_unsharded_buffer();
+      if (from_post_forward) {
+        pending_unshard_ = post_forward_group_->all_gather_into_tensor(storage_.padded_unsharded(),
+                                                                       post_forward_shard_, storage_.unit_fqn());
+        return;
+      }
       const at::Tensor& source = storage_.gather_input();
       pending_unshard_ =
           comm_->all_gather_into_tensor(storage_.padded_unsharded(), source, storage_.unit_fqn());
-    }, shard_written);
+    }, shard_written || from_post_forward);
   } catch (...) {
     // The all-gather was never issued: nothing writes into the buffer grown for it, and nothing
     // else would free it (reshard() sees neither an unsharded handle nor a pending all-gather).
     pending_unshard_ = {};
+    post_forward_shard_ = at::Tensor();
     release_unsharded_buffer();
     throw;
   }
+}
+
+void FlatParamHandle::use_unsharded_views_without_data() {
+  // Not sharded (a local copy at most), already unsharded, or an all-gather in flight: as unshard().
+  if (storage_.is_unsharded() || pending_unshard_.valid() || !storage_.sharded()) {
+    unshard();
+    return;
+  }
+  storage_.check_params_unchanged();
+  storage_.write_back_replaced_data();
+  storage_.use_unsharded_views_without_data();
+}
+
+long FlatParamHandle::unsharded_buffer_references() const {
+  if (!storage_.sharded()) return 0;
+  return static_cast<long>(storage_.padded_unsharded().storage().use_count()) - 1;
+}
+
+void FlatParamHandle::keep_post_forward_shard() {
+  const int64_t chunk = storage_.layout().padded_numel / post_forward_group_->size();
+  c10::NoGradGuard no_grad;
+  post_forward_shard_ = storage_.padded_unsharded().narrow(0, post_forward_group_->rank() * chunk, chunk).clone();
+}
+
+void FlatParamHandle::drop_post_forward_shard() {
+  if (!pending_unshard_.valid()) post_forward_shard_ = at::Tensor();  // else freed once its all-gather is waited for
+}
+
+size_t FlatParamHandle::post_forward_shard_bytes() const {
+  return post_forward_shard_.defined() ? post_forward_shard_.nbytes() : 0;
 }
 
 void FlatParamHandle::release_unsharded_buffer() {
@@ -58,10 +106,12 @@ void FlatParamHandle::unshard() {
       // The all-gather ended with an error (a collective still running never throws here: the
       // backend's timeout aborts the job): its buffer is freed, the parameters stay sharded.
       pending_unshard_ = {};
+      post_forward_shard_ = at::Tensor();
       release_unsharded_buffer();
       throw;
     }
     pending_unshard_ = {};
+    post_forward_shard_ = at::Tensor();  // gathered from: used once
   } else {  // NO_SHARD with mixed precision or offload: a copy, no collective
     storage_.write_back_replaced_data();
     storage_.grow_unsharded_buffer();
@@ -70,7 +120,7 @@ void FlatParamHandle::unshard() {
   storage_.use_unsharded_views();
 }
 
-void FlatParamHandle::reshard() {
+void FlatParamHandle::reshard(bool after_forward) {
   if (!storage_.is_unsharded() && !pending_unshard_.valid()) return;
   RECORD_USER_SCOPE("FSDP::reshard");
   if (pending_unshard_.valid()) {  // never free a buffer a collective still writes into
@@ -79,11 +129,16 @@ void FlatParamHandle::reshard() {
     } catch (...) {
       // A prefetched all-gather that ended with an error: resharded all the same, then reported.
       pending_unshard_ = {};
+      post_forward_shard_ = at::Tensor();
       storage_.use_sharded_views();
       release_unsharded_buffer();
       throw;
     }
     pending_unshard_ = {};
+    post_forward_shard_ = at::Tensor();  // gathered from: used once
+  }
+  if (after_forward && post_forward_group_ && storage_.sharded() && storage_.is_unsharded()) {
+    keep_post_forward_shard();
   }
   storage_.use_sharded_views();
   release_unsharded_buffer();
@@ -105,11 +160,13 @@ bool FlatParamHandle::passthrough() const {
 
 void FlatParamHandle::commit_gradients() {
   grad_.commit();
+  drop_post_forward_shard();
   streams_->end_iteration();
 }
 
 void FlatParamHandle::discard_gradients() {
   grad_.wait_for_reduction();  // never free buffers a collective still uses
+  drop_post_forward_shard();
   streams_->end_iteration();
   grad_.discard();
 }
@@ -128,6 +185,9 @@ void FlatParamHandle::begin_iteration() {
   streams_->begin_iteration();
 }
 
-void FlatParamHandle::end_iteration() { streams_->end_iteration(); }
+void FlatParamHandle::end_iteration() {
+  drop_post_forward_shard();
+  streams_->end_iteration();
+}
 
 }  // namespace fsdp

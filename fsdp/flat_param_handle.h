@@ -15,6 +15,18 @@
 // nothing is communicated: the handle runs as NO_SHARD and the flat gradient is the sharded
 // gradient. The runtime finalizes each unit's reduction when it issues the next one, so at most two
 // units' unsharded gradients are alive at once.
+//
+// [Note: post-forward group] With a post-forward group (FullyShardOptions::reshard_after_forward(
+// int), FSDP2's reshard_after_forward=int, ZeRO++'s hpZ), resharding after forward keeps, beside
+// the shard, this rank's 1/k slice of the padded unsharded buffer, k the group's size: the group
+// is k consecutive ranks of the communicator, so the slices of its ranks, in group-rank order,
+// are the whole buffer. The next all-gather gathers those slices inside the group (from a node's
+// ranks instead of every rank) into the buffer, bit for bit what the all-gather of the shards
+// gives, and frees the slice. It is used by the next unshard of the same iteration (backward, or
+// an activation-checkpointing recompute, or a second call of the unit), and dropped when an
+// iteration begins or ends (the optimizer may write the shard between iterations), so whether a
+// gather runs inside the group depends only on the order of the runtime's calls, which every rank
+// shares. Between forward and backward a rank holds padded bytes / k per such unit.
 
 #include <memory>
 #include <optional>
@@ -56,7 +68,24 @@ class FlatParamHandle {
   /// handle resharded, its buffer freed, and rethrows (also from start_unshard() and reshard()).
   void unshard();
   /// Makes the original parameters views of the local shard and frees the unsharded buffer.
-  void reshard();
+  /// `after_forward` with a post-forward group: keeps this rank's slice of the buffer for the
+  /// next unshard ([Note: post-forward group]).
+  void reshard(bool after_forward = false);
+  /// [Note: unshard in backward]: makes the original parameters full-shape views of the padded
+  /// unsharded buffer without gathering anything into it (its storage stays freed: reading a
+  /// parameter's values fails with LibTorch's "data is not allocated yet"), so autograd can
+  /// accumulate full-shape gradients. As unshard() when unsharded, all-gathering, or not sharded
+  /// (no collective then).
+  void use_unsharded_views_without_data();
+  /// References to the padded unsharded buffer's storage beside the buffer itself (views autograd
+  /// saved for backward, while the parameters are sharded). 0 when not sharded.
+  long unsharded_buffer_references() const;
+  /// Frees the post-forward slice (the start or end of an iteration). No-op without one.
+  void drop_post_forward_shard();
+  /// Whether the next all-gather runs inside the post-forward group.
+  bool has_post_forward_shard() const { return post_forward_shard_.defined(); }
+  /// The post-forward group, or null.
+  const std::shared_ptr<comm::Communicator>& post_forward_group() const { return post_forward_group_; }
   bool is_unsharded() const { return storage_.is_unsharded(); }
   /// Start of a root's forward ([Note: streams]): the shard may have been written on the compute
   /// stream since it was last gathered (an optimizer step), so the next all-gather on this device
@@ -140,6 +169,8 @@ class FlatParamHandle {
   /// when not one flat gradient, the parameters' `.grad`), the gradients accumulated without sync,
   /// the replicate partial.
   size_t unsharded_bytes() const { return storage_.unsharded_bytes(); }
+  /// Bytes held now by the post-forward slice ([Note: post-forward group]; 0 when none).
+  size_t post_forward_shard_bytes() const;
   size_t sharded_grad_bytes() const { return grad_.sharded_bytes(); }
   size_t accumulated_grad_bytes() const { return grad_.accumulated_bytes(); }
   size_t replicate_partial_grad_bytes() const { return grad_.replicate_partial_bytes(); }
@@ -154,7 +185,12 @@ class FlatParamHandle {
   // streams only: false inline), and remembers the current version.
   bool shard_written_since_gathered();
 
+  // Keeps this rank's slice of the unsharded buffer for the post-forward group.
+  void keep_post_forward_shard();
+
   std::shared_ptr<comm::Communicator> comm_;
+  std::shared_ptr<comm::Communicator> post_forward_group_;  // [Note: post-forward group], or null
+  at::Tensor post_forward_shard_;  // 1-D [padded_numel / k] in the compute dtype, or undefined
   FlatParamStorage storage_;
   std::shared_ptr<DeviceStreams> streams_;  // [Note: streams]
   FlatParamGrad grad_;                      // refers to storage_

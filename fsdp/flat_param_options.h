@@ -23,6 +23,10 @@ struct FlatParamHandleOptions {
   /// Hybrid sharding: the replicate group across which the sharded gradient is all-reduced after
   /// the reduce-scatter inside the handle's (shard group) communicator. Null otherwise.
   std::shared_ptr<comm::Communicator> replicate;
+  /// Resharding after forward to a smaller group ([Note: post-forward group] in
+  /// fsdp/flat_param_handle.h): a group of consecutive ranks of the handle's communicator, of a
+  /// size that divides it, inside which the backward all-gather runs. Null otherwise.
+  std::shared_ptr<comm::Communicator> post_forward_group;
   /// Mixed precision: the dtype parameters are all-gathered and computed in (a low-precision copy
   /// of the shard; the shard itself, the gradients after sync and the optimizer state stay in the
   /// parameters' dtype). Unset: the parameters' dtype.

@@ -134,6 +134,20 @@ void FlatParamStorage::use_unsharded_views() {
   unsharded_ = true;
 }
 
+void FlatParamStorage::use_unsharded_views_without_data() {
+  c10::Storage storage = padded_unsharded_.storage();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& e = layout_.entries[i];
+    at::Tensor view = at::empty({0}, padded_unsharded_.options());
+    c10::TensorImpl* impl = view.unsafeGetTensorImpl();
+    impl->set_storage_keep_dtype(storage);
+    impl->set_sizes_contiguous(e.shape);
+    impl->set_storage_offset(padded_unsharded_.storage_offset() + e.offset);
+    params_[i].param.set_data(view);
+  }
+  unsharded_ = true;
+}
+
 void FlatParamStorage::check_params_unchanged() const {
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& p = params_[i].param;

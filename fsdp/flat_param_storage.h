@@ -85,6 +85,10 @@ class FlatParamStorage {
   void use_sharded_views();
   /// Makes the original parameters full-shape views of the padded unsharded buffer.
   void use_unsharded_views();
+  /// The same while the buffer's storage is freed (set_unshard_in_backward(false)): views built
+  /// without LibTorch's bounds check, whose values must not be read (their data pointer is null:
+  /// LibTorch refuses to read them) until the buffer is grown.
+  void use_unsharded_views_without_data();
   /// Checks that requires_grad did not change and, while unsharded, that every parameter is still
   /// its view of the unsharded buffer.
   void check_params_unchanged() const;

@@ -1,5 +1,7 @@
 #include "fsdp_cpp/fsdp/fsdp_state.h"
 
+#include <sstream>
+
 #include <algorithm>
 #include <cmath>
 
@@ -27,6 +29,7 @@ FlatParamHandleOptions FSDPConfig::handle_options() const {
   handle.shard = shard();
   handle.device = device;
   handle.replicate = replicate;
+  handle.post_forward_group = post_forward_group;
   handle.param_dtype = options.mixed_precision().param_dtype();
   handle.reduce_dtype = options.mixed_precision().reduce_dtype();
   handle.offload_to_cpu = options.offload_to_cpu();
@@ -132,12 +135,30 @@ void FSDPState::unshard() {
   for (auto& h : handles_) h->unshard();
 }
 
-void FSDPState::reshard() {
-  for (auto& h : handles_) h->reshard();
+void FSDPState::reshard(bool after_forward) {
+  for (auto& h : handles_) h->reshard(after_forward);
 }
 
 void FSDPState::start_unshard() {
   for (auto& h : handles_) h->start_unshard();
+}
+
+void FSDPState::use_unsharded_views_without_data() {
+  for (auto& h : handles_) h->use_unsharded_views_without_data();
+}
+
+std::string FSDPState::controls_string() const {
+  std::ostringstream s;
+  s.precision(17);  // factors that differ in the last bit differ here too
+  s << std::boolalpha << "requires_gradient_sync " << requires_gradient_sync_ << ", gradient_divide_factor ";
+  if (gradient_divide_factor_) {
+    s << *gradient_divide_factor_;
+  } else {
+    s << "default";
+  }
+  s << ", requires_all_reduce " << requires_all_reduce_ << ", unshard_in_backward " << unshard_in_backward_
+    << ", reshard_after_backward " << reshard_after_backward_;
+  return s.str();
 }
 
 bool FSDPState::unshard_in_flight() const {

@@ -51,6 +51,10 @@ struct FSDPConfig {
   std::shared_ptr<comm::Communicator> comm;
   /// Hybrid sharding: the mesh's replicate group (gradients all-reduced across it); null otherwise.
   std::shared_ptr<comm::Communicator> replicate;
+  /// reshard_after_forward(int) smaller than the shard group: the group of that many consecutive
+  /// ranks of `comm` the backward all-gather runs in ([Note: post-forward group] in
+  /// fsdp/flat_param_handle.h); null otherwise.
+  std::shared_ptr<comm::Communicator> post_forward_group;
   /// Where the shards live: options.device(), else the communicator's device.
   at::Device device = at::kCPU;
   /// The full values of a meta parameter (FlatParamHandleOptions::meta_values): options'
@@ -120,9 +124,12 @@ class FSDPState final : public contract::ApiState {
 
   /// Unshards / reshards every handle of this unit (the user-facing FSDPModule calls these too).
   void unshard();
-  void reshard();
+  void reshard(bool after_forward = false);  // after_forward: [Note: post-forward group]
   /// Issues the all-gathers of every handle without waiting (prefetch).
   void start_unshard();
+  /// set_unshard_in_backward(false)'s pre-backward: the parameters become full-shape views of the
+  /// unsharded buffers, without gathering them (the buffers hold no memory).
+  void use_unsharded_views_without_data();
   bool unshard_in_flight() const;
   /// Whether every sharded handle is unsharded (true for a unit with nothing to gather).
   bool is_unsharded() const;
@@ -159,13 +166,26 @@ class FSDPState final : public contract::ApiState {
   /// set-aside gradients are added back.
   void divide_passthrough_gradients() const;
 
+  /// FSDP2's set_unshard_in_backward: false when backward needs none of the unit's parameter
+  /// values (an embedding whose input needs no gradient): its pre-backward all-gathers nothing and
+  /// makes the parameters full-shape views of the freed unsharded buffer, so autograd still
+  /// accumulates their gradients in place ([Note: unshard in backward] in fsdp/backward.cc).
+  bool unshard_in_backward() const { return unshard_in_backward_; }
+  void set_unshard_in_backward(bool unshard) { unshard_in_backward_ = unshard; }
+  /// The controls above (gradient sync, divide factor, replicate all-reduce, unshard and reshard
+  /// in backward) as one line, for the ranks to compare ([Note: backward reach]).
+  std::string controls_string() const;
+
   /// Whether backward reshards the unit (false keeps it unsharded for the next forward while
   /// accumulating without sync).
   bool reshard_after_backward() const { return reshard_after_backward_; }
   void set_reshard_after_backward(bool reshard) { reshard_after_backward_ = reshard; }
   /// Whether the unit's parameters stay unsharded after its backward: only while accumulating
   /// without sync with set_reshard_after_backward(false); a backward with sync always reshards.
-  bool keeps_unsharded_after_backward() const { return !reshard_after_backward_ && !requires_gradient_sync_; }
+  /// Never with set_unshard_in_backward(false): its backward's parameters hold no data.
+  bool keeps_unsharded_after_backward() const {
+    return !reshard_after_backward_ && !requires_gradient_sync_ && unshard_in_backward_;
+  }
 
   /// Set while a SummonFullParams scope (composable/summon_full_params.h) holds this unit's full
   /// parameters, so that a nested scope on the same unit is refused.
@@ -198,6 +218,7 @@ class FSDPState final : public contract::ApiState {
   std::optional<double> gradient_divide_factor_;
   bool requires_all_reduce_ = true;
   bool reshard_after_backward_ = true;
+  bool unshard_in_backward_ = true;
   bool full_params_summoned_ = false;
   UnitIteration iteration_;
   HiddenParams hidden_params_;

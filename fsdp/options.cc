@@ -32,8 +32,9 @@ std::string strategy_conflict(const FullyShardOptions& options) {
   const auto& strategy = options.strategy_setting();
   const auto& reshard = options.reshard_after_forward_setting();
   if (!strategy || !reshard || reshards_after_forward(*strategy) == *reshard) return "";
+  const auto& group = options.post_forward_group_size();
   return std::string("strategy ") + to_string(*strategy) + " with reshard_after_forward(" +
-         (*reshard ? "true" : "false") + ")";
+         (group ? std::to_string(*group) : *reshard ? "true" : "false") + ")";
 }
 
 }  // namespace fsdp

@@ -133,6 +133,21 @@ struct FullyShardOptions {
   /// fully_shard refuses a contradiction.
   FullyShardOptions& reshard_after_forward(bool value) {
     reshard_after_forward_ = value;
+    post_forward_group_size_.reset();
+    return *this;
+  }
+  /// Reshard after forward to a smaller group (FSDP2's reshard_after_forward=int, ZeRO++'s hpZ;
+  /// [Note: post-forward group] in fsdp/flat_param_handle.h): FULL_SHARD, except that after
+  /// forward each rank keeps its 1/`ranks` slice of the unsharded parameters, so the backward
+  /// all-gather runs inside a group of `ranks` consecutive ranks of the shard group (e.g. the
+  /// ranks of one node) instead of across all of it. `ranks` must divide the shard group's size;
+  /// equal to it, this is reshard_after_forward(true). Costs padded parameter bytes / `ranks` per
+  /// unit between its forward and its backward.
+  ///
+  ///   fsdp::fully_shard(*block, fsdp::FullyShardOptions().reshard_after_forward(8));  // 8 GPUs a node
+  FullyShardOptions& reshard_after_forward(int ranks) {
+    reshard_after_forward_ = true;
+    post_forward_group_size_ = ranks;
     return *this;
   }
   /// The strategy the unit gets: strategy(...) if given, else the shorthand's, else FULL_SHARD.
@@ -142,10 +157,13 @@ struct FullyShardOptions {
   /// What the user set, as given (unset: not given).
   const std::optional<ShardingStrategy>& strategy_setting() const { return strategy_; }
   const std::optional<bool>& reshard_after_forward_setting() const { return reshard_after_forward_; }
+  /// reshard_after_forward(int)'s group size, as given (unset: not given).
+  const std::optional<int>& post_forward_group_size() const { return post_forward_group_size_; }
 
  private:
   std::optional<ShardingStrategy> strategy_;
   std::optional<bool> reshard_after_forward_;
+  std::optional<int> post_forward_group_size_;
 };
 
 // What the engine derives from the options: here and nowhere else.

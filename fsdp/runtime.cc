@@ -37,6 +37,24 @@ void end_iteration_without_backward(RootContext& context) {
   context.iteration_state().end_iteration();
 }
 
+// [Note: unshard in backward] A unit whose forward saved views of its unsharded parameters for
+// backward (a Linear saves weight.t()) needs their values in backward: with
+// set_unshard_in_backward(false) it would read freed memory. Once its parameters are sharded
+// again, only such views still hold the unsharded buffer's storage. Refused here, in forward, on
+// every rank alike (the same program saves the same tensors). Parameters saved whole (not views)
+// are not seen here: their backward fails with LibTorch's "data is not allocated yet".
+void check_backward_needs_no_values(const FSDPState& state) {
+  for (const auto& handle : state.handles()) {
+    const long held = handle->unsharded_buffer_references();
+    TORCH_CHECK(held == 0, "fully_shard: unit '", state.fqn().empty() ? "<root>" : state.fqn(),
+                "' was set to skip its backward all-gather (FSDPModule::set_unshard_in_backward(false)), but its "
+                "forward saved views of its parameters for backward (", held, held == 1 ? " tensor holds" : " tensors hold",
+                " its unsharded parameters after resharding), so its backward needs their values. Expected a unit "
+                "whose backward reads no parameter values (an embedding whose input needs no gradient); call "
+                "set_unshard_in_backward(true) on it");
+  }
+}
+
 void root_pre_forward(RootContext& context) {
   RECORD_USER_SCOPE("FSDP::root_pre_forward");
   comm::IssuingApi issuing_api("fully_shard root pre-forward");
@@ -47,6 +65,10 @@ void root_pre_forward(RootContext& context) {
   // can still be backpropagated through; otherwise a new iteration starts.
   if (iteration.phase() != IterationPhase::kForward || !any_unit_may_get_gradients(context)) {
     context.begin_iteration();
+    // [Note: post-forward group] Slices kept by an earlier iteration may be stale (an optimizer step).
+    for (FSDPState* unit : context.states()) {
+      for (const auto& handle : unit->handles()) handle->drop_post_forward_shard();
+    }
   }
   iteration.enter_root_forward(/*nested=*/contract::hooked_forward_depth() > 1);  // this call counts one
   // [Note: streams] The optimizer step (or a state-dict load) wrote the shards on the compute
@@ -226,7 +248,10 @@ void post_forward(FSDPState& state, c10::IValue& output) {
   // Siblings: reshard after the last of the unit's modules ran.
   const bool last_module = state.iteration().last_module_ran(state.modules().size());
   const bool kept_after_forward = state.is_root() && !iteration.root_nested();
-  if (!kept_after_forward && state.config().reshard_after_forward() && last_module) context.scheduler().reshard(state);
+  if (!kept_after_forward && state.config().reshard_after_forward() && last_module) {
+    context.scheduler().reshard(state, /*after_forward=*/state.unshard_in_backward());
+    if (!state.unshard_in_backward() && c10::GradMode::is_enabled()) check_backward_needs_no_values(state);
+  }
   if (hide && !state.is_root()) hide_params(state);
   const std::vector<at::Tensor> hooked = hook_outputs_for_backward(state, output);
   if (!state.is_root()) return;

@@ -84,8 +84,8 @@ void UnshardScheduler::prefetch(FSDPState& unit, const FSDPState& running, bool 
   note_unsharded(running);
 }
 
-void UnshardScheduler::reshard(FSDPState& unit) {
-  unit.reshard();  // waits for an all-gather in flight first
+void UnshardScheduler::reshard(FSDPState& unit, bool after_forward) {
+  unit.reshard(after_forward);  // waits for an all-gather in flight first
   forget_in_flight(unit);
   unsharded_units_.erase(std::remove(unsharded_units_.begin(), unsharded_units_.end(), &unit),
                          unsharded_units_.end());

@@ -40,8 +40,9 @@ class UnshardScheduler {
   void prefetch(FSDPState& unit, const FSDPState& running, bool bounded);
   /// Whether prefetch(unit, running, bounded) would issue an all-gather now.
   bool would_prefetch(const FSDPState& unit, const FSDPState& running, bool bounded) const;
-  /// Frees `unit`'s unsharded parameters (waits for an all-gather in flight first).
-  void reshard(FSDPState& unit);
+  /// Frees `unit`'s unsharded parameters (waits for an all-gather in flight first); after its
+  /// forward, keeping its post-forward slices ([Note: post-forward group]).
+  void reshard(FSDPState& unit, bool after_forward = false);
   /// A forward or backward threw and every unit was resharded: nothing is in flight.
   void forget_in_flight() { in_flight_.clear(); }
 

@@ -51,7 +51,10 @@ CollectiveCounts expected_counts(const std::vector<fsdp::FSDPModule>& units, int
         // Forward (once per call when resharded after each) and backward (once per call: the
         // unit is resharded after each call's backward), or once when kept unsharded.
         const bool reshards = config.reshard_after_forward() && !is_root;
-        counts.all_gathers += reshards ? 2 * forward_calls_per_unit : 1;
+        // reshard_after_forward(int): backward's all-gathers run inside the post-forward group
+        // (counted by its communicator, not this one).
+        const bool to_group = reshards && config.post_forward_group != nullptr;
+        counts.all_gathers += reshards ? (to_group ? 1 : 2) * forward_calls_per_unit : 1;
         counts.reduce_scatters += trainable ? 1 : 0;
       } else if (config.comm->size() > 1) {  // NO_SHARD: all-reduced; one rank: nothing
         counts.all_reduces += trainable ? 1 : 0;

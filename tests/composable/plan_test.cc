@@ -340,9 +340,10 @@ FSDP_RANKS_TEST_CASE("the plan's layout numbers match the closed form", "[plan]"
   CHECK(plan.communication.all_gather.bytes == 4 * (gathered + gathered_again));
   CHECK(plan.communication.all_gather.calls == (W > 1 ? 7 : 0));
   CHECK(plan.communication.reduce_scatter.bytes == (W > 1 ? 4 * gathered : 0));
-  // One per backward pass: where it reaches each unit ([Note: backward reach]), 2 int64 per unit and 2.
+  // One per backward pass: where it reaches each unit and its controls ([Note: backward reach]),
+  // 4 int64 per unit and 2.
   CHECK(plan.communication.all_reduce.calls == (W > 1 ? 1 : 0));
-  CHECK(plan.communication.all_reduce.bytes == (W > 1 ? (2 * 4 + 2) * 8 : 0));
+  CHECK(plan.communication.all_reduce.bytes == (W > 1 ? (4 * 4 + 2) * 8 : 0));
   // Adam: two fp32 tensors per element of the parameters; over all ranks, every element once.
   const int64_t numel = (35 + 7 + 21 + 3) + (2 * 63 + 9 + 7) + (2 * 21 + 3 + 7) + (2 * 77 + 11 + 7);
   at::Tensor all = at::tensor({plan.memory.optimizer_state}, at::kLong);
@@ -567,7 +568,7 @@ std::string golden_text(int W, int r) {
          "Communication per step (forward + backward with gradient sync), per rank, as counted:\n"
          "  all_gather_into_tensor  3 calls, 768 B\n"
          "  reduce_scatter_tensor   2 calls, 528 B\n"
-         "  all_reduce              1 call,  48 B\n";  // where the backward pass reaches each unit
+         "  all_reduce              1 call,  80 B\n";  // where the backward pass reaches each unit
 }
 
 FSDP_RANKS_TEST_CASE("the printed plan of a small model (golden)", "[plan]") {
