@@ -34,7 +34,8 @@ FlatParamGrad::FlatParamGrad(const FlatParamStorage& storage,
                              std::vector<at::Tensor> initial_grads)
     : storage_(storage), comm_(std::move(comm)), replicate_(options.replicate),
       streams_(std::move(streams)),
-      reduce_dtype_(options.reduce_dtype.value_or(storage.compute_dtype())) {
+      reduce_dtype_(options.reduce_dtype.value_or(storage.compute_dtype())),
+      reduce_codec_(options.reduce_codec) {
   // Gradients the parameters already held (a backward before fully_shard) are sharded too.
   bool any_grad = false;
   for (const auto& g : initial_grads) any_grad |= g.defined();
@@ -109,6 +110,7 @@ size_t FlatParamGrad::replicate_partial_bytes() const {
 size_t FlatParamGrad::buffer_bytes() const {
   size_t bytes = grad_buffer_.defined() ? grad_buffer_.nbytes() : 0;
   if (reduce_input_.defined()) bytes += reduce_input_.nbytes();
+  if (encoded_input_.defined()) bytes += encoded_input_.nbytes();
   if (reduce_output_.defined() && !reduce_output_.is_same(reduce_input_)) bytes += reduce_output_.nbytes();
   return bytes;
 }
@@ -234,9 +236,21 @@ void FlatParamGrad::reduce(bool sync) {
   const bool shard = storage_.sharded();
   // Held until finalize(), after the compute stream waited for the reduction.
   reduce_input_ = flat;
+  const std::string& tag = storage_.unit_fqn();
+  if (reduces_encoded()) {
+    // [Note: quantized gradient reduction]: W encoded chunks, chunk j to rank j.
+    const int64_t shard_numel = storage_.layout().shard_numel();
+    streams_->on_reduce_stream([&] {
+      encoded_input_ = encode_rows(*reduce_codec_, reduce_input_.view({world, shard_numel}),
+                                   "fully_shard: unit '" + tag + "': the reduce codec");
+      reduce_output_ = at::empty_like(encoded_input_);
+      reduce_encoded_ = true;
+      pending_reduce_ = comm_->all_to_all_single(reduce_output_, encoded_input_, tag);
+    });
+    return;
+  }
   reduce_output_ = shard ? at::empty({storage_.layout().shard_numel()}, flat.options()) : reduce_input_;
   if (world == 1) return;  // nothing to communicate: the flat gradient is the sharded one
-  const std::string& tag = storage_.unit_fqn();
   streams_->on_reduce_stream([&] {
     pending_reduce_ =
         shard ? comm_->reduce_scatter_tensor(reduce_output_, reduce_input_, c10d::ReduceOp::SUM, tag)
@@ -253,8 +267,19 @@ void FlatParamGrad::finalize() {
   }
   // Only now: the compute stream, where it was allocated, has waited for the reduction reading it.
   reduce_input_ = at::Tensor();
+  encoded_input_ = at::Tensor();
   c10::NoGradGuard no_grad;
   const at::Tensor& shard = storage_.local_shard();
+  if (reduce_encoded_) {
+    // [Note: quantized gradient reduction]: the W chunks this rank received, summed in float32.
+    reduce_encoded_ = false;
+    at::Tensor received = std::move(reduce_output_);
+    reduce_output_ = at::empty({received.size(0), storage_.layout().shard_numel()},
+                               received.options().dtype(at::kFloat));
+    decode_rows(*reduce_codec_, received, reduce_output_,
+                "fully_shard: unit '" + storage_.unit_fqn() + "': the reduce codec");
+    reduce_output_ = reduce_output_.sum(0);
+  }
   // Gradients are in the parameters' dtype after sync, whatever dtype they were reduced in.
   at::Tensor grad = reduce_output_.to(shard.scalar_type());
   reduce_output_ = at::Tensor();
@@ -309,7 +334,9 @@ void FlatParamGrad::wait_for_reduction() {
 void FlatParamGrad::discard() {
   wait_for_reduction();
   reduce_input_ = at::Tensor();
+  encoded_input_ = at::Tensor();
   reduce_output_ = at::Tensor();
+  reduce_encoded_ = false;
   grad_buffer_ = at::Tensor();
   // The failed pass may have added into the gradients accumulated without sync: drop them all
   // rather than keep part of a backward pass.

@@ -61,6 +61,26 @@
 // are not reduce-scattered at all, so the flag does not apply to them; they enter the next
 // synchronised pass's reduce-scatter and through it the partial or the all-reduce. Without a
 // replicate group (replicated() false) the flag changes nothing.
+//
+// [Note: quantized gradient reduction] With a reduce codec (FlatParamHandleOptions::reduce_codec;
+// DeepSpeed ZeRO++'s qgZ) and a shard group of W > 1 ranks, step 3 replaces the reduce-scatter by
+// an all-to-all: the padded flat gradient (reduce dtype, after the pre-division) is encoded as W
+// rows of shard_numel elements, row j being rank j's shard ([Note: communication codecs] in
+// fsdp/comm_codec.h), and comm::Communicator::all_to_all_single sends row j to rank j. Step 4
+// decodes the W rows this rank received into float32 and sums them (in float32, whatever the
+// reduce dtype), then goes on as after a reduce-scatter: the cast to the parameters' dtype, the
+// post-division, HSDP's replicate partial or all-reduce (not encoded), offload, the set-aside
+// gradient. Everything else is unchanged: gradients accumulated without sync are added (in the
+// reduce dtype, unencoded) before encoding, the divide factor splits as before, discard() drops the
+// encoded buffers with the rest. Bytes: the all-to-all carries W x encoded_bytes(shard_numel)
+// where the reduce-scatter carried padded_numel x the reduce dtype's size. Error, with
+// int8_block_codec: each element of the reduced gradient is within
+//   (1 / divisor) x sum over the shard group's ranks r of absmax_r(block) / 254
+// of the exact one (absmax_r(block): the largest magnitude in the element's block of rank r's
+// pre-divided gradient chunk; divisor: the post-division, the data-parallel size by default), i.e.
+// at most the mean over ranks of the block's absmax / 254: 0.4% of the block's largest gradient,
+// plus float32 rounding. Under HSDP the replicate all-reduce sums R such errors. On one rank (and
+// NO_SHARD, which refuses codecs) nothing is encoded.
 
 #include <memory>
 #include <optional>
@@ -69,6 +89,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/fsdp/comm_codec.h"
 #include "fsdp_cpp/fsdp/device_streams.h"
 #include "fsdp_cpp/fsdp/flat_param_options.h"
 #include "fsdp_cpp/fsdp/flat_param_storage.h"
@@ -89,6 +110,11 @@ class FlatParamGrad {
   FlatParamGrad& operator=(const FlatParamGrad&) = delete;
 
   c10::ScalarType reduce_dtype() const { return reduce_dtype_; }
+  /// The codec gradients are reduced in ([Note: quantized gradient reduction]), or null; also when
+  /// set but unused (not sharded across more than one rank).
+  const std::shared_ptr<const CommCodec>& reduce_codec() const { return reduce_codec_; }
+  /// Whether step 3 is an all-to-all of encoded chunks (a reduce codec, sharded over W > 1 ranks).
+  bool reduces_encoded() const { return reduce_codec_ && storage_.sharded() && comm_->size() > 1; }
   /// Hybrid sharding with more than one replica: finalize() all-reduces across the replicas.
   bool replicated() const { return replicate_ && replicate_->size() > 1; }
 
@@ -153,6 +179,9 @@ class FlatParamGrad {
   at::Tensor accumulated_grad_;       // 1-D [padded_numel]: unsynchronised gradients, or undefined
   at::Tensor reduce_output_;          // reduction in flight: output
   at::Tensor reduce_input_;           // reduction in flight: padded unsharded gradient
+  at::Tensor encoded_input_;          // quantized reduction in flight: [W x encoded] uint8 sent
+  std::shared_ptr<const CommCodec> reduce_codec_;  // [Note: quantized gradient reduction], or null
+  bool reduce_encoded_ = false;       // reduce_output_ holds [W x encoded] received rows to decode
   at::Tensor replicate_partial_;      // 1-D [shard_numel]: HSDP passes without the all-reduce, or undefined
   comm::PendingCollective pending_reduce_;
   std::optional<double> divide_factor_;  // replaces the division by the data-parallel size

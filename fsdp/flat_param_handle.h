@@ -106,6 +106,10 @@ class FlatParamHandle {
   /// The dtype the parameters are all-gathered and computed in, and the one gradients are reduced in.
   c10::ScalarType compute_dtype() const { return storage_.compute_dtype(); }
   c10::ScalarType reduce_dtype() const { return grad_.reduce_dtype(); }
+  /// The codec gradients are reduced in ([Note: quantized gradient reduction] in
+  /// fsdp/flat_param_grad.h), or null; reduces_encoded(): it is used (sharded over W > 1 ranks).
+  const std::shared_ptr<const CommCodec>& reduce_codec() const { return grad_.reduce_codec(); }
+  bool reduces_encoded() const { return grad_.reduces_encoded(); }
 
   /// Start of a backward pass: sets aside the sharded gradients the original parameters still
   /// hold (from an earlier backward without set_to_none, or replaced by the user: written back),

@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/fsdp/comm_codec.h"
 
 namespace fsdp {
 
@@ -42,6 +43,12 @@ struct FlatParamHandleOptions {
   /// this rank holds part of, while the shard is filled; nothing else of the parameter is ever
   /// allocated. Unset: meta parameters are refused.
   std::function<at::Tensor(const std::string& fqn, const at::Tensor& param)> meta_values;
+  /// Quantized communication ([Note: communication codecs] in fsdp/comm_codec.h), sharded handles
+  /// only: the codec the all-gather over the handle's communicator carries the shard in, and the
+  /// one the gradient reduction carries the gradient chunks in (an all-to-all replacing the
+  /// reduce-scatter: [Note: quantized gradient reduction] in fsdp/flat_param_grad.h). Null: none.
+  std::shared_ptr<const CommCodec> all_gather_codec;
+  std::shared_ptr<const CommCodec> reduce_codec;
 };
 
 }  // namespace fsdp

@@ -34,6 +34,8 @@ FlatParamHandleOptions FSDPConfig::handle_options() const {
   handle.reduce_dtype = options.mixed_precision().reduce_dtype();
   handle.offload_to_cpu = options.offload_to_cpu();
   handle.meta_values = meta_values;
+  handle.all_gather_codec = options.all_gather_codec();
+  handle.reduce_codec = options.reduce_codec();
   return handle;
 }
 
@@ -50,6 +52,11 @@ FSDPState::FSDPState(std::vector<torch::nn::Module*> modules, std::string fqn, F
 std::vector<std::unique_ptr<FlatParamHandle>> FSDPState::make_handles(
     const std::vector<FlatParamHandle::OrigParam>& params, const FSDPConfig& config,
     const std::string& fqn) {
+  // Before any FlatParameter is made. [Note: communication codecs] in fsdp/comm_codec.h.
+  const std::string codec_conflict = fsdp::codec_conflict(config.options);
+  TORCH_CHECK(codec_conflict.empty(), "fully_shard: module ", fqn, " was given ", codec_conflict,
+              ", but NO_SHARD replicates its parameters and all-reduces its gradients: there is no "
+              "all-gather or reduce-scatter to encode. Use FULL_SHARD or SHARD_GRAD_OP, or drop the codecs");
   std::vector<std::pair<std::pair<c10::ScalarType, bool>, std::vector<FlatParamHandle::OrigParam>>> groups;
   for (const auto& p : params) {
     const auto key = std::make_pair(p.param.scalar_type(), p.param.requires_grad());

@@ -37,4 +37,14 @@ std::string strategy_conflict(const FullyShardOptions& options) {
          (group ? std::to_string(*group) : *reshard ? "true" : "false") + ")";
 }
 
+std::string codec_conflict(const FullyShardOptions& options) {
+  if (shards(options.strategy())) return "";
+  std::string conflict;
+  if (options.all_gather_codec()) conflict += "all_gather_codec(" + options.all_gather_codec()->name() + ")";
+  if (options.reduce_codec()) {
+    conflict += (conflict.empty() ? "" : " and ") + std::string("reduce_codec(") + options.reduce_codec()->name() + ")";
+  }
+  return conflict.empty() ? "" : std::string("strategy ") + to_string(options.strategy()) + " with " + conflict;
+}
+
 }  // namespace fsdp

@@ -19,6 +19,7 @@
 
 #include "fsdp_cpp/comm/communicator.h"
 #include "fsdp_cpp/comm/device_mesh.h"
+#include "fsdp_cpp/fsdp/comm_codec.h"
 #include "fsdp_cpp/init/meta_init.h"
 
 namespace torch::nn {
@@ -121,6 +122,23 @@ struct FullyShardOptions {
   ///   fsdp::fully_shard(*block, fsdp::FullyShardOptions().param_init_fn(
   ///       [](const std::string& fqn, at::Tensor& v) { v.normal_(0, 0.02); }));
   TORCH_ARG(TensorInitFn, param_init_fn) = nullptr;
+  /// Quantized communication (DeepSpeed ZeRO++'s qwZ; [Note: communication codecs] in
+  /// fsdp/comm_codec.h): each rank encodes its shard with this codec before the all-gather and
+  /// decodes what was gathered into the unsharded parameters (in the compute dtype). With
+  /// reshard_after_forward(int), only the forward all-gather over the whole shard group is
+  /// encoded. Null: the shards are all-gathered as they are. Sharding strategies only (NO_SHARD
+  /// gathers nothing: refused); on one rank nothing is gathered and the codec is not used.
+  ///
+  ///   fsdp::fully_shard(*block, fsdp::FullyShardOptions()
+  ///       .all_gather_codec(fsdp::int8_block_codec(256))     // int8, a float32 scale per 256
+  ///       .reduce_codec(fsdp::int8_block_codec(256)));
+  TORCH_ARG(std::shared_ptr<const CommCodec>, all_gather_codec) = nullptr;
+  /// Quantized gradient reduction (ZeRO++'s qgZ; [Note: quantized gradient reduction] in
+  /// fsdp/flat_param_grad.h): the reduce-scatter inside the shard group becomes an all-to-all of
+  /// the gradient chunks encoded with this codec, each rank summing the W chunks it receives in
+  /// float32. HSDP's replicate all-reduce is not encoded. Null: reduce-scattered as they are.
+  /// Sharding strategies only (NO_SHARD's all-reduce: refused); not used on one rank.
+  TORCH_ARG(std::shared_ptr<const CommCodec>, reduce_codec) = nullptr;
 
  public:
   /// The sharding strategy. Unset, it is FULL_SHARD, or what reshard_after_forward(...) chose.
@@ -181,5 +199,9 @@ std::optional<c10::ScalarType> forward_input_dtype(const MixedPrecision& mixed_p
 /// "" when strategy(...) and reshard_after_forward(...) agree (or only one is given); else what
 /// contradicts, e.g. "strategy NO_SHARD with reshard_after_forward(true)".
 std::string strategy_conflict(const FullyShardOptions& options);
+/// "" when the codecs (all_gather_codec, reduce_codec) fit the strategy; else what does not, e.g.
+/// "strategy NO_SHARD with reduce_codec(int8_block(256, Float scales))": NO_SHARD communicates
+/// neither all-gathers nor reduce-scatters, so codecs are refused there.
+std::string codec_conflict(const FullyShardOptions& options);
 
 }  // namespace fsdp
