@@ -21,7 +21,7 @@
 #include "fsdp_cpp/fsdp/forward_errors.h"
 #include "fsdp_cpp/fsdp/fsdp_state.h"
 #include "fsdp_cpp/fsdp/gradient_guard.h"
-#include "fsdp_cpp/fsdp/post_forward_group.h"
+#include "fsdp_cpp/fsdp/derived_groups.h"
 #include "fsdp_cpp/fsdp/tied_parameters.h"
 #include "fsdp_cpp/fsdp/unit_tree.h"
 
@@ -209,6 +209,7 @@ std::string collective_settings(const FullyShardOptions& options) {
   if (const auto& group = options.post_forward_group_size()) {
     settings += ", reshard_after_forward(" + std::to_string(*group) + ")";
   }
+  if (options.separate_reduce_communicator()) settings += ", separate_reduce_communicator";
   return settings;
 }
 
@@ -400,6 +401,7 @@ UnitContents decide_unit(const std::vector<torch::nn::Module*>& modules, const F
   const FullyShardOptions& options = config.options;
   const bool may_communicate = config.comm->size() > 1 && (options.sync_module_states() || options.mesh() ||
                                                            options.post_forward_group_size() ||
+                                                           options.separate_reduce_communicator() ||
                                                            has_unit_inside(modules));
   UnitContents unit;
   std::string refused;  // this rank's error, when may_communicate
@@ -509,6 +511,7 @@ FSDPModule fully_shard(const std::vector<torch::nn::Module*>& modules, const Ful
   // Collective over the shard group the first time (every rank agreed on the size above).
   const auto& group = options.post_forward_group_size();
   if (group && *group < config.comm->size()) config.post_forward_group = post_forward_group(config.comm, *group);
+  if (options.separate_reduce_communicator() && config.comm->size() > 1) config.reduce_group = reduce_group(config.comm);
   // After every check: errors above change nothing. Tied parameters moving into this unit get
   // their full-precision values back, and the units they leave are rebuilt (collective).
   take_tied_parameters(unit.tied);

@@ -1,6 +1,7 @@
 #include "fsdp_cpp/fsdp/backward_reach.h"
 
 #include <cstdint>
+#include <sstream>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -38,9 +39,11 @@ int64_t text_hash(const std::string& text) {
   return static_cast<int64_t>(h >> 2);
 }
 
+std::string name_of(const FSDPState& unit) { return unit.fqn().empty() ? "<root>" : unit.fqn(); }
+
 std::string unit_list(const std::vector<FSDPState*>& units) {
   std::string s;
-  for (const FSDPState* u : units) s += (s.empty() ? "'" : ", '") + (u->fqn().empty() ? "<root>" : u->fqn()) + "'";
+  for (const FSDPState* u : units) s += (s.empty() ? "'" : ", '") + name_of(*u) + "'";
   return s.empty() ? "none" : s;
 }
 
@@ -102,12 +105,25 @@ void agree_backward_reach(RootContext& context) {
               "must still be called on every rank (with an empty batch). Rerun with FSDP_DEBUG=1 to "
               "have the ranks compare every step.");
   for (size_t i = 0; i < n; ++i) {
-    TORCH_CHECK(f[2 * n + 2 + i] == -f[3 * n + 2 + i], "fully_shard: the ranks set different controls on unit '",
-                units[i]->fqn().empty() ? "<root>" : units[i]->fqn(), "' of root '", context.root()->fqn(),
-                "' for the backward pass of iteration ", context.iteration_state().iterations(), " (this rank: ",
-                units[i]->controls_string(), "). They decide which collectives the unit issues, so every rank "
-                "must set them alike (FSDPModule::set_requires_gradient_sync, set_gradient_divide_factor, "
-                "set_requires_all_reduce, set_unshard_in_backward, set_reshard_after_backward); nothing was reduced.");
+    if (f[2 * n + 2 + i] == -f[3 * n + 2 + i]) continue;
+    // Every rank saw the same reduced fields, so every rank is here, at the same unit: one more
+    // exchange (per group) gives every rank each rank's settings for the message.
+    const std::string mine = units[i]->controls_string();
+    std::ostringstream message;
+    message << "fully_shard: the ranks set different controls on unit '" << name_of(*units[i]) << "' for the backward "
+            << "pass of iteration " << context.iteration_state().iterations() << "; nothing was reduced. They decide "
+            << "which collectives the unit issues, so every rank must set them alike "
+            << "(FSDPModule::set_requires_gradient_sync, set_gradient_divide_factor, set_requires_all_reduce, "
+            << "set_unshard_in_backward, set_reshard_after_backward):";
+    for (comm::Communicator* group : {comm.get(), replicate.get()}) {
+      if (group == nullptr || group->size() == 1) continue;
+      const auto all = group->all_gather_bytes(std::vector<uint8_t>(mine.begin(), mine.end()), "backward reach controls");
+      const char* label = group == comm.get() ? "rank " : "replica ";
+      for (size_t r = 0; r < all.size(); ++r) {
+        message << "\n  " << label << r << ": " << std::string(all[r].begin(), all[r].end());
+      }
+    }
+    TORCH_CHECK(false, message.str());
   }
   for (size_t i = 0; i < n; ++i) {
     const bool any = f[i] > 0;

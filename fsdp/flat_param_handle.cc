@@ -13,7 +13,8 @@ FlatParamHandle::FlatParamHandle(std::vector<OrigParam> params,
       post_forward_group_(options.post_forward_group),
       storage_(std::move(params), comm_, std::move(unit_fqn), options),
       streams_(device_streams_for(storage_.compute_device())),
-      grad_(storage_, comm_, options, streams_, storage_.take_initial_grads()) {
+      grad_(storage_, options.reduce_group ? options.reduce_group : comm_, options, streams_,
+            storage_.take_initial_grads()) {
   if (!storage_.sharded()) post_forward_group_ = nullptr;  // nothing is gathered: nothing to keep
   if (post_forward_group_) {
     const int k = post_forward_group_->size();

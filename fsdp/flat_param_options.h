@@ -28,6 +28,9 @@ struct FlatParamHandleOptions {
   /// fsdp/flat_param_handle.h): a group of consecutive ranks of the handle's communicator, of a
   /// size that divides it, inside which the backward all-gather runs. Null otherwise.
   std::shared_ptr<comm::Communicator> post_forward_group;
+  /// Where the gradient reductions run ([Note: reduce communicator] in fsdp/derived_groups.h): a
+  /// duplicate of the handle's communicator, or null for that communicator itself.
+  std::shared_ptr<comm::Communicator> reduce_group;
   /// Mixed precision: the dtype parameters are all-gathered and computed in (a low-precision copy
   /// of the shard; the shard itself, the gradients after sync and the optimizer state stay in the
   /// parameters' dtype). Unset: the parameters' dtype.

@@ -30,6 +30,7 @@ FlatParamHandleOptions FSDPConfig::handle_options() const {
   handle.device = device;
   handle.replicate = replicate;
   handle.post_forward_group = post_forward_group;
+  handle.reduce_group = reduce_group;
   handle.param_dtype = options.mixed_precision().param_dtype();
   handle.reduce_dtype = options.mixed_precision().reduce_dtype();
   handle.offload_to_cpu = options.offload_to_cpu();

@@ -55,6 +55,9 @@ struct FSDPConfig {
   /// ranks of `comm` the backward all-gather runs in ([Note: post-forward group] in
   /// fsdp/flat_param_handle.h); null otherwise.
   std::shared_ptr<comm::Communicator> post_forward_group;
+  /// separate_reduce_communicator(true): the duplicate of `comm` the gradient reductions run on;
+  /// null otherwise ([Note: reduce communicator] in fsdp/derived_groups.h).
+  std::shared_ptr<comm::Communicator> reduce_group;
   /// Where the shards live: options.device(), else the communicator's device.
   at::Device device = at::kCPU;
   /// The full values of a meta parameter (FlatParamHandleOptions::meta_values): options'

@@ -96,6 +96,11 @@ struct FullyShardOptions {
   /// CPU offload (FSDP's CPUOffload(offload_params=True)): shards and sharded gradients live in
   /// host memory, pinned when computing on CUDA; the optimizer steps on the host.
   TORCH_ARG(bool, offload_to_cpu) = false;
+  /// Run the unit's gradient reductions on a duplicate of its communicator, made once per
+  /// communicator and shared by the units that ask for it, so they need not wait behind
+  /// all-gathers on one communicator ([Note: reduce communicator] in fsdp/derived_groups.h). Every
+  /// rank must give the same value (fully_shard compares it).
+  TORCH_ARG(bool, separate_reduce_communicator) = false;
   /// Mixed precision (see MixedPrecision).
   TORCH_ARG(MixedPrecision, mixed_precision) = {};
   /// The device the shards (and the module's buffers) live on, e.g. cuda:LOCAL_RANK for a model

@@ -205,12 +205,12 @@ FSDP_RANKS_TEST_CASE("gradient sync off on one rank is named before the reduce-s
     return;
   }
   check_same_everywhere(message);
-  // The root ran first in forward, so its gradients are reduced last; the last block's first.
-  CHECK_THAT(message, Contains("fully_shard: ranks diverged before a collective in iteration 0: rank 0 has "
-                               "{reduces the gradients of 'blocks.2'; gradient reduction: none (gradients "
-                               "accumulate unsharded); gradient sync: off}"));
-  CHECK_THAT(message, Contains("gradient sync: on}"));
-  CHECK_THAT(message, Contains("set_requires_gradient_sync was called with different values"));
+  // Refused when the backward pass begins ([Note: backward reach]), at the first unit whose
+  // controls differ (the units in tree order: the root), before any gradient moves.
+  CHECK_THAT(message, Contains("fully_shard: the ranks set different controls on unit '<root>' for the backward "
+                               "pass of iteration 0; nothing was reduced"));
+  CHECK_THAT(message, Contains("rank 0: requires_gradient_sync false,"));
+  CHECK_THAT(message, Contains("rank 1: requires_gradient_sync true,"));
 }
 
 FSDP_RANKS_TEST_CASE("a rank that runs an extra forward before backward is named", "[divergence]") {

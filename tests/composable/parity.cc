@@ -55,9 +55,10 @@ CollectiveCounts expected_counts(const std::vector<fsdp::FSDPModule>& units, int
         // (counted by its communicator, not this one).
         const bool to_group = reshards && config.post_forward_group != nullptr;
         counts.all_gathers += reshards ? (to_group ? 1 : 2) * forward_calls_per_unit : 1;
-        counts.reduce_scatters += trainable ? 1 : 0;
+        // separate_reduce_communicator: counted on the duplicate, not on this communicator.
+        counts.reduce_scatters += trainable && !config.reduce_group ? 1 : 0;
       } else if (config.comm->size() > 1) {  // NO_SHARD: all-reduced; one rank: nothing
-        counts.all_reduces += trainable ? 1 : 0;
+        counts.all_reduces += trainable && !config.reduce_group ? 1 : 0;
       }
       const auto& replicate = config.replicate;
       counts.all_reduces += replicate && replicate->size() > 1 && trainable ? 1 : 0;
