@@ -287,9 +287,12 @@ void plan_handle_memory_and_communication(const FlatParamHandle& handle, const F
       c.all_reduce.calls += 1;
       c.all_reduce.bytes += reduced;
     }
-    if (unit.replicate_group_size > 1) {  // HSDP: the sharded gradient, in the parameters' dtype
+    if (unit.replicate_group_size > 1) {
+      // HSDP: the reduce-scatter's output, in the reduce dtype ([Note: asynchronous replicate
+      // all-reduce] in fsdp/flat_param_grad.h). Passes that add a replicate partial
+      // (set_requires_all_reduce) all-reduce in the parameters' dtype instead.
       c.all_reduce.calls += 1;
-      c.all_reduce.bytes += shard_bytes;
+      c.all_reduce.bytes += h.shard_numel * element_size(h.reduce_dtype);
     }
   }
   unit.handles.push_back(std::move(h));

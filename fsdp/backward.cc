@@ -32,8 +32,10 @@ bool has_trainable_handle(const FSDPState& unit) {
   return false;
 }
 
-void finalize(FSDPState& unit) {
-  for (const auto& handle : unit.handles()) handle->finalize_gradients();
+// `finish` false: HSDP's replicate all-reduces are issued, not waited for ([Note: asynchronous
+// replicate all-reduce] in fsdp/flat_param_grad.h); the end of backward finishes them.
+void finalize(FSDPState& unit, bool finish = true) {
+  for (const auto& handle : unit.handles()) handle->finalize_gradients(finish);
 }
 
 void reduce_unit(RootContext& context, FSDPState& unit) {
@@ -48,7 +50,7 @@ void reduce_unit(RootContext& context, FSDPState& unit) {
   // The previous unit's reduction has had this unit's reduction to overlap with: finish it and
   // free its buffers.
   BackwardReductionQueue& reductions = context.reductions();
-  if (reductions.awaiting_finalize() != nullptr) finalize(*reductions.awaiting_finalize());
+  if (reductions.awaiting_finalize() != nullptr) finalize(*reductions.awaiting_finalize(), /*finish=*/false);
   reductions.set_awaiting_finalize(unit.requires_gradient_sync() ? &unit : nullptr);
   unit.iteration().set_reduced();
 }

@@ -112,6 +112,7 @@ size_t FlatParamGrad::buffer_bytes() const {
   if (reduce_input_.defined()) bytes += reduce_input_.nbytes();
   if (encoded_input_.defined()) bytes += encoded_input_.nbytes();
   if (reduce_output_.defined() && !reduce_output_.is_same(reduce_input_)) bytes += reduce_output_.nbytes();
+  if (replicate_output_.defined()) bytes += replicate_output_.nbytes();
   return bytes;
 }
 
@@ -227,12 +228,20 @@ void FlatParamGrad::reduce(bool sync) {
     accumulated_grad_ = at::Tensor();
   }
   const int world = comm_->size();
-  // The shard group's size, then the replicate group's after its all-reduce; or the custom
-  // factor for both ([Note: gradient divide factor and replicate partial]).
-  const auto [pre, post] = divide_factors(divide_factor_.value_or(static_cast<double>(world)), reduce_dtype_);
+  // [Note: asynchronous replicate all-reduce] Under HSDP, with the all-reduce this pass and no
+  // replicate partial to add, the replicate all-reduce runs on the reduce-scatter's output in the
+  // reduce dtype and is divided once after it, by the whole data-parallel size. Otherwise: the
+  // shard group's size, then the replicate group's after its all-reduce. Or the custom factor for
+  // both ([Note: gradient divide factor and replicate partial]).
+  replicate_in_reduce_dtype_ = replicated() && requires_all_reduce_ && !replicate_partial_.defined();
+  const double replicas = replicate_in_reduce_dtype_ ? static_cast<double>(replicate_->size()) : 1.0;
+  const auto [pre, post] =
+      divide_factors(divide_factor_.value_or(static_cast<double>(world) * replicas), reduce_dtype_);
   if (pre != 1.0) flat.div_(pre);
   post_divide_ = post;
-  replicate_divide_ = divide_factor_ || !replicated() ? 1.0 : static_cast<double>(replicate_->size());
+  replicate_divide_ = divide_factor_ || !replicated() || replicate_in_reduce_dtype_
+                          ? 1.0
+                          : static_cast<double>(replicate_->size());
   const bool shard = storage_.sharded();
   // Held until finalize(), after the compute stream waited for the reduction.
   reduce_input_ = flat;
@@ -258,8 +267,34 @@ void FlatParamGrad::reduce(bool sync) {
   });
 }
 
-void FlatParamGrad::finalize() {
-  if (!reduce_output_.defined()) return;
+void FlatParamGrad::finalize(bool finish) {
+  if (reduce_output_.defined()) finish_reduction();
+  if (finish && replicate_output_.defined()) finish_replicate_all_reduce();
+}
+
+void FlatParamGrad::finish_replicate_all_reduce() {
+  RECORD_USER_SCOPE("FSDP::post_replicate_all_reduce");
+  if (pending_replicate_.valid()) {
+    streams_->hand_reduce_to_compute([&] { pending_replicate_.wait(); });
+    pending_replicate_ = {};
+  }
+  c10::NoGradGuard no_grad;
+  const at::Tensor& shard = storage_.local_shard();
+  at::Tensor grad = replicate_output_.to(shard.scalar_type());
+  replicate_output_ = at::Tensor();
+  if (post_divide_ != 1.0) grad.div_(post_divide_);
+  set_grad(grad.to(shard.device()));
+}
+
+void FlatParamGrad::set_grad(at::Tensor grad) {
+  // The gradient set aside before backward is kept until the backward pass is committed, so that
+  // a failed pass can restore it.
+  if (saved_grad_.defined()) grad.add_(saved_grad_);
+  set_sharded_views(grad);
+  finalized_in_pass_ = true;
+}
+
+void FlatParamGrad::finish_reduction() {
   RECORD_USER_SCOPE("FSDP::post_reduce");
   if (pending_reduce_.valid()) {
     streams_->hand_reduce_to_compute([&] { pending_reduce_.wait(); });
@@ -279,6 +314,15 @@ void FlatParamGrad::finalize() {
     decode_rows(*reduce_codec_, received, reduce_output_,
                 "fully_shard: unit '" + storage_.unit_fqn() + "': the reduce codec");
     reduce_output_ = reduce_output_.sum(0);
+  }
+  if (replicate_in_reduce_dtype_) {
+    // [Note: asynchronous replicate all-reduce]: issued now, finished by finalize(finish=true).
+    replicate_output_ = std::move(reduce_output_);
+    reduce_output_ = at::Tensor();
+    streams_->on_reduce_stream([&] {
+      pending_replicate_ = replicate_->all_reduce(replicate_output_, c10d::ReduceOp::SUM, storage_.unit_fqn());
+    });
+    return;
   }
   // Gradients are in the parameters' dtype after sync, whatever dtype they were reduced in.
   at::Tensor grad = reduce_output_.to(shard.scalar_type());
@@ -302,12 +346,7 @@ void FlatParamGrad::finalize() {
     replicate_->all_reduce(grad, c10d::ReduceOp::SUM, storage_.unit_fqn()).wait();
     if (replicate_divide_ != 1.0) grad.div_(replicate_divide_);
   }
-  grad = grad.to(shard.device());  // host memory with offload
-  // The gradient set aside before backward is kept until the backward pass is committed, so that
-  // a failed pass can restore it.
-  if (saved_grad_.defined()) grad.add_(saved_grad_);
-  set_sharded_views(grad);
-  finalized_in_pass_ = true;
+  set_grad(grad.to(shard.device()));  // host memory with offload
 }
 
 void FlatParamGrad::commit() {
@@ -329,6 +368,10 @@ void FlatParamGrad::wait_for_reduction() {
     streams_->hand_reduce_to_compute([&] { pending_reduce_.wait(); });
     pending_reduce_ = {};
   }
+  if (pending_replicate_.valid()) {
+    streams_->hand_reduce_to_compute([&] { pending_replicate_.wait(); });
+    pending_replicate_ = {};
+  }
 }
 
 void FlatParamGrad::discard() {
@@ -336,6 +379,7 @@ void FlatParamGrad::discard() {
   reduce_input_ = at::Tensor();
   encoded_input_ = at::Tensor();
   reduce_output_ = at::Tensor();
+  replicate_output_ = at::Tensor();
   reduce_encoded_ = false;
   grad_buffer_ = at::Tensor();
   // The failed pass may have added into the gradients accumulated without sync: drop them all

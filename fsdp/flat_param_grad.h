@@ -43,6 +43,16 @@
 //     adds it in. What it held before a pass changed it is kept until the pass is committed, so
 //     that discard() restores it.
 //
+// [Note: asynchronous replicate all-reduce] Under HSDP, a pass that all-reduces across the
+// replicate group (requires_all_reduce) with no replicate partial to add issues that all-reduce
+// on the reduce-scatter's output itself, in the reduce dtype (half the bytes of the parameters'
+// dtype with a 16-bit reduce dtype), when the runtime finalizes the unit (as the next unit's
+// reduction is issued), without waiting; the end of backward waits for it, casts, divides and
+// sets `.grad`. The division covers the whole data-parallel size (shard x replicate ranks, or the
+// custom factor): a power-of-two part before the reduce-scatter for 16-bit dtypes, the rest after
+// the all-reduce. A pass with a replicate partial to add all-reduces as before: in the
+// parameters' dtype, after finalize's cast, waited for inline.
+//
 // [Note: gradient divide factor and replicate partial] By default a FlatParameter's reduced
 // gradient is the sum over the data-parallel ranks divided by their number: the shard group's
 // size S (split into a factor before the reduction and one after it for 16-bit reduce dtypes, so
@@ -133,10 +143,16 @@ class FlatParamGrad {
   void prepare_buffer();
   /// Step 3.
   void reduce(bool sync);
-  /// Step 4. No-op when no reduction is pending.
-  void finalize();
+  /// Step 4. No-op when no reduction is pending. Under HSDP with the all-reduce this pass and no
+  /// replicate partial ([Note: asynchronous replicate all-reduce]), the first call waits for the
+  /// reduce-scatter and issues the replicate all-reduce without waiting; `finish` (the end of
+  /// backward) waits for it and sets `.grad`. Without `finish` `.grad` may not be set yet.
+  void finalize(bool finish = true);
   /// Whether no reduction is pending, or the pending one has completed (finalize would not wait).
-  bool reduction_completed() const { return !pending_reduce_.valid() || pending_reduce_.completed(); }
+  bool reduction_completed() const {
+    return (!pending_reduce_.valid() || pending_reduce_.completed()) &&
+           (!pending_replicate_.valid() || pending_replicate_.completed());
+  }
   /// Step 5, success.
   void commit();
   /// Waits for a reduction in flight (the compute stream then waits for it too).
@@ -165,6 +181,12 @@ class FlatParamGrad {
 
  private:
   void set_sharded_views(const at::Tensor& grad);
+  // finalize()'s steps: the reduction's output into `.grad` (or, under the asynchronous replicate
+  // all-reduce, into its issue); that all-reduce's output into `.grad`.
+  void finish_reduction();
+  void finish_replicate_all_reduce();
+  // `grad` (the new sharded gradient, on the shard's device) plus the set-aside one, as `.grad`.
+  void set_grad(at::Tensor grad);
   // Takes this pass's unsharded gradients out of the parameters as one padded flat tensor in the
   // reduce dtype (the preset buffer, or a copy), leaving `.grad` unset.
   at::Tensor take_unsharded();
@@ -184,6 +206,9 @@ class FlatParamGrad {
   bool reduce_encoded_ = false;       // reduce_output_ holds [W x encoded] received rows to decode
   at::Tensor replicate_partial_;      // 1-D [shard_numel]: HSDP passes without the all-reduce, or undefined
   comm::PendingCollective pending_reduce_;
+  at::Tensor replicate_output_;       // asynchronous replicate all-reduce in flight: its tensor
+  comm::PendingCollective pending_replicate_;
+  bool replicate_in_reduce_dtype_ = false;  // this pass's reduction all-reduces asynchronously
   std::optional<double> divide_factor_;  // replaces the division by the data-parallel size
   double post_divide_ = 1.0;          // the division left after the reduction in flight
   double replicate_divide_ = 1.0;     // the division after the replicate all-reduce in flight

@@ -126,7 +126,9 @@ class FlatParamHandle {
   void reduce_gradients(bool sync = true) { grad_.reduce(sync); }
   /// Waits for the reduction issued by reduce_gradients(), frees its input and points `.grad` at
   /// the new sharded gradient (plus the set-aside one). No-op when none is pending.
-  void finalize_gradients() { grad_.finalize(); }
+  /// Without `finish`, under HSDP's asynchronous replicate all-reduce ([Note: asynchronous
+  /// replicate all-reduce] in fsdp/flat_param_grad.h), only issues that all-reduce.
+  void finalize_gradients(bool finish = true) { grad_.finalize(finish); }
   /// Whether no reduction is pending, or the pending one has completed (finalize would not wait).
   bool reduction_completed() const { return grad_.reduction_completed(); }
   /// End of a successful backward pass: forgets the set-aside gradient (restoring it as `.grad`

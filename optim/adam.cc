@@ -15,7 +15,7 @@ torch::Tensor Adam::step(LossClosure closure) {
     loss = closure();
   }
   detail::adam_family_step<torch::optim::AdamParamState, torch::optim::AdamOptions>(
-      param_groups_, state_, /*decoupled=*/false, "Adam", stats_);
+      param_groups_, state_, /*decoupled=*/false, "Adam", pack_max_numel_, stats_);
   return loss;
 }
 

@@ -22,17 +22,11 @@
 
 namespace fsdp::optim {
 
-class Adam : public torch::optim::Adam {
+class Adam : public torch::optim::Adam, public FlatStepping {
  public:
   using torch::optim::Adam::Adam;
 
   torch::Tensor step(LossClosure closure = nullptr) override;
-
-  /// What the last step did (how many parameters were stepped in runs, how many alone).
-  const FlatStepStats& last_step() const { return stats_; }
-
- private:
-  FlatStepStats stats_;
 };
 
 }  // namespace fsdp::optim

@@ -19,9 +19,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/max.h>
 #include <ATen/ops/zeros_like.h>
-#include <torch/csrc/autograd/variable.h>
 #include <torch/optim/optimizer.h>
 
+#include "fsdp_cpp/optim/flat_packs.h"
 #include "fsdp_cpp/optim/flat_runs.h"
 #include "fsdp_cpp/optim/flat_state.h"
 #include "fsdp_cpp/optim/flat_step_stats.h"
@@ -85,7 +85,7 @@ void adam_single(at::Tensor p, StateMap& states, const Options& options, bool de
   adam_update(p, grad, state.exp_avg(), state.exp_avg_sq(), state.max_exp_avg_sq(), state.step(), options, decoupled);
 }
 
-// A run of several parameters: flat state, one update per segment of equal step counters.
+// A run of several parameters or a pack: flat state, one update per segment of equal step counters.
 template <class State, class Options>
 void adam_run(const ParamRun& run, const std::vector<at::Tensor>& params, StateMap& states, const Options& options,
               bool decoupled, FlatStepStats& stats) {
@@ -122,23 +122,19 @@ void adam_run(const ParamRun& run, const std::vector<at::Tensor>& params, StateM
     adam_update(p, segment_view(run.grad, run, seg), m, v, vmax, step, options, decoupled);
     first = last + 1;
   }
-  // The parameters were written through the run's tensors: bump their version counters as
-  // torch::optim's in-place updates do (fully_shard reads them: FlatParamStorage::shard_version).
-  for (size_t i = 0; i < n; ++i) torch::autograd::impl::bump_version(params[run.members[i]]);
-  ++stats.flat_runs;
-  stats.flat_params += static_cast<int64_t>(n);
+  finish_flat_step(run, params, stats);
 }
 
 template <class State, class Options>
 void adam_family_step(std::vector<torch::optim::OptimizerParamGroup>& groups, StateMap& states, bool decoupled,
-                      const char* name, FlatStepStats& stats) {
+                      const char* name, int64_t pack_max_numel, FlatStepStats& stats) {
   stats = FlatStepStats();
   for (auto& group : groups) {
     const auto& options = static_cast<const Options&>(group.options());
     // eps == 0 would turn zero padding into NaN: no gaps then ([Note: flat runs]).
     const int64_t max_gap = options.eps() > 0 ? kMaxRunGapBytes : 0;
     const std::vector<at::Tensor>& params = group.params();
-    for (const ParamRun& run : find_runs(params, max_gap)) {
+    for (const ParamRun& run : plan_runs(params, pack_max_numel, max_gap)) {
       if (run.flat()) {
         adam_run<State>(run, params, states, options, decoupled, stats);
       } else {

@@ -15,7 +15,7 @@ torch::Tensor AdamW::step(LossClosure closure) {
     loss = closure();
   }
   detail::adam_family_step<torch::optim::AdamWParamState, torch::optim::AdamWOptions>(
-      param_groups_, state_, /*decoupled=*/true, "AdamW", stats_);
+      param_groups_, state_, /*decoupled=*/true, "AdamW", pack_max_numel_, stats_);
   return loss;
 }
 

@@ -22,17 +22,11 @@
 
 namespace fsdp::optim {
 
-class AdamW : public torch::optim::AdamW {
+class AdamW : public torch::optim::AdamW, public FlatStepping {
  public:
   using torch::optim::AdamW::AdamW;
 
   torch::Tensor step(LossClosure closure = nullptr) override;
-
-  /// What the last step did (how many parameters were stepped in runs, how many alone).
-  const FlatStepStats& last_step() const { return stats_; }
-
- private:
-  FlatStepStats stats_;
 };
 
 }  // namespace fsdp::optim

@@ -64,10 +64,12 @@ std::vector<ParamRun> find_runs(const std::vector<at::Tensor>& params, int64_t m
     const at::Tensor& p = params[i];
     const at::Tensor& g = p.grad();
     if (!g.defined()) continue;
-    if (p.numel() == 0 || !can_join(p, g)) {
+    const bool joinable = can_join(p, g);
+    if (p.numel() == 0 || !joinable) {
       // Alone; an empty parameter holds no element, so it does not split the run around it.
       if (p.numel() != 0) close_run(run, params, runs);
       ParamRun single;
+      single.packable = joinable;
       single.members.push_back(i);
       single.offsets.push_back(0);
       close_run(single, params, runs);
@@ -80,6 +82,7 @@ std::vector<ParamRun> find_runs(const std::vector<at::Tensor>& params, int64_t m
     const int64_t offset = run.members.empty() ? 0 : p.storage_offset() - params[run.members.front()].storage_offset();
     run.members.push_back(i);
     run.offsets.push_back(offset);
+    run.packable = true;
   }
   close_run(run, params, runs);
   return runs;

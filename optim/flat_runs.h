@@ -57,8 +57,14 @@ struct ParamRun {
   /// (sharing the storages; fresh version counters, autograd does not see them).
   at::Tensor param;
   at::Tensor grad;
+  /// Whether the members could join a pack (optim/flat_packs.h): strided, contiguous, dense
+  /// gradients of the data's dtype and device, in storages apart from the data's.
+  bool packable = false;
+  /// A pack: `param` and `grad` are copies (gathered), written back after the step.
+  bool gathered = false;
 
-  bool flat() const { return members.size() > 1; }
+  /// Stepped as one tensor: several members, or a pack.
+  bool flat() const { return members.size() > 1 || gathered; }
 };
 
 /// The runs of `params` (one param group, in order); parameters without a gradient are in none.

@@ -4,8 +4,8 @@
 
 #include <ATen/ops/clone.h>
 #include <c10/core/GradMode.h>
-#include <torch/csrc/autograd/variable.h>
 
+#include "fsdp_cpp/optim/flat_packs.h"
 #include "fsdp_cpp/optim/flat_runs.h"
 #include "fsdp_cpp/optim/flat_state.h"
 
@@ -48,7 +48,7 @@ void sgd_single(at::Tensor p, StateMap& states, const SGDOptions& options) {
   p.add_(d_p, -1 * options.lr());
 }
 
-// A run of several parameters: one flat momentum buffer, first steps (no state yet: the buffer
+// A run of several parameters or a pack: one flat momentum buffer, first steps (no state yet: the buffer
 // starts as the direction) and later ones in segments.
 void sgd_run(const ParamRun& run, const std::vector<at::Tensor>& params, StateMap& states, const SGDOptions& options,
              FlatStepStats& stats) {
@@ -79,10 +79,10 @@ void sgd_run(const ParamRun& run, const std::vector<at::Tensor>& params, StateMa
     }
     d_p = with_momentum(d_p, buf, options);
   }
-  run.param.add_(d_p, -1 * options.lr());
-  for (size_t i = 0; i < n; ++i) torch::autograd::impl::bump_version(params[run.members[i]]);
-  ++stats.flat_runs;
-  stats.flat_params += static_cast<int64_t>(n);
+  // `run.param` is a tensor of its own (a view without autograd, or a pack's copy): in place.
+  at::Tensor param = run.param;
+  param.add_(d_p, -1 * options.lr());
+  finish_flat_step(run, params, stats);
 }
 
 }  // namespace
@@ -98,7 +98,7 @@ torch::Tensor SGD::step(LossClosure closure) {
   for (auto& group : param_groups_) {
     const auto& options = static_cast<const SGDOptions&>(group.options());
     const std::vector<at::Tensor>& params = group.params();
-    for (const ParamRun& run : find_runs(params)) {
+    for (const ParamRun& run : plan_runs(params, pack_max_numel_)) {
       if (run.flat()) {
         sgd_run(run, params, state_, options, stats_);
       } else {

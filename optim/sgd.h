@@ -17,17 +17,11 @@
 
 namespace fsdp::optim {
 
-class SGD : public torch::optim::SGD {
+class SGD : public torch::optim::SGD, public FlatStepping {
  public:
   using torch::optim::SGD::SGD;
 
   torch::Tensor step(LossClosure closure = nullptr) override;
-
-  /// What the last step did (how many parameters were stepped in runs, how many alone).
-  const FlatStepStats& last_step() const { return stats_; }
-
- private:
-  FlatStepStats stats_;
 };
 
 }  // namespace fsdp::optim

@@ -199,12 +199,15 @@ TEST_CASE("Param groups split runs; parameters outside the optimizer are never w
       pair.set_grads(it);
       flat.step();
       ref.step();
-      CHECK(flat.last_step().flat_runs == 2);
-      CHECK(flat.last_step().flat_params == static_cast<int64_t>(kShapes.size()));
+      // The first group is small: a pack; the second a run in place.
+      CHECK(flat.last_step().packs == 1);
+      CHECK(flat.last_step().packed_params == 4);
+      CHECK(flat.last_step().flat_runs == 1);
+      CHECK(flat.last_step().flat_params == 5);
       check_equal(pair, flat, ref);
     }
   }
-  SECTION("every other parameter: no run, and the others keep their values") {
+  SECTION("every other parameter: no run (the small ones packed), and the others keep their values") {
     Pair pair(kShapes);
     std::vector<at::Tensor> odd_flat, odd_ref;
     for (size_t i = 1; i < pair.params.size(); i += 2) {
@@ -218,7 +221,8 @@ TEST_CASE("Param groups split runs; parameters outside the optimizer are never w
       flat.step();
       ref.step();
       CHECK(flat.last_step().flat_runs == 0);
-      CHECK(flat.last_step().single_params == static_cast<int64_t>(odd_flat.size()));
+      CHECK(flat.last_step().packed_params == 3);  // {7}, {33}, {100}
+      CHECK(flat.last_step().single_params == 1);  // {40001}
       check_equal(pair, flat, ref);  // the even ones: neither optimizer touched them
     }
   }
@@ -235,7 +239,7 @@ TEST_CASE("Parameters without a gradient: runs split, step counters as torch::op
     flat.step();
     ref.step();
     check_equal(pair, flat, ref);
-    CHECK(flat.last_step().flat_params + flat.last_step().single_params ==
+    CHECK(flat.last_step().flat_params + flat.last_step().packed_params + flat.last_step().single_params ==
           static_cast<int64_t>(kShapes.size() - without[it].size()));
   }
   // Step 1 split the run at parameter 3: [0..2] and [4..8]; step 3 found counters that differ
@@ -315,7 +319,7 @@ TEST_CASE("Plain LibTorch modules: every parameter alone, the same values", "[op
     flat.zero_grad();
     ref.zero_grad();
     CHECK(flat.last_step().flat_runs == 0);
-    CHECK(flat.last_step().single_params == 2);
+    CHECK(flat.last_step().packed_params == 2);  // small parameters of separate storages: a pack
     for (size_t i = 0; i < 2; ++i) CHECK(torch::equal(a->parameters()[i], b->parameters()[i]));
     CHECK_FALSE(a->parameters()[0].grad().defined());
   }
@@ -323,28 +327,29 @@ TEST_CASE("Plain LibTorch modules: every parameter alone, the same values", "[op
 
 TEST_CASE("Runs: eps == 0 allows no padding; empty parameters; closures", "[optim]") {
   SECTION("Adam with eps == 0 steps only unpadded neighbours together") {
-    // {4} and {8} are adjacent without padding, {3} is followed by padding.
-    Pair pair(std::vector<std::vector<int64_t>>{{4}, {8}, {3}, {5}});
+    // {20000}, {8} and {3} are adjacent without padding, {3} is followed by padding.
+    Pair pair(std::vector<std::vector<int64_t>>{{20000}, {8}, {3}, {5}});
     fsdp::optim::Adam flat(pair.params, AdamOptions(1e-2).eps(0));
     torch::optim::Adam ref(pair.ref, AdamOptions(1e-2).eps(0));
     pair.set_grads(0);
     flat.step();
     ref.step();
     CHECK(flat.last_step().flat_runs == 1);
-    CHECK(flat.last_step().flat_params == 3);  // {4}, {8}, {3}; {5} after the padding alone
+    CHECK(flat.last_step().flat_params == 3);    // {20000}, {8}, {3}
+    CHECK(flat.last_step().packed_params == 1);  // {5}, after the padding: small, packed
     check_equal(pair, flat, ref);
     CHECK_FALSE(pair.flat.isnan().any().item<bool>());
   }
-  SECTION("an empty parameter inside a run is stepped as torch::optim steps it") {
-    Pair pair(std::vector<std::vector<int64_t>>{{6}, {0}, {10}});
+  SECTION("an empty parameter inside a run: its step counter and empty state as torch::optim's") {
+    Pair pair(std::vector<std::vector<int64_t>>{{20000}, {0}, {10}});
     fsdp::optim::AdamW flat(pair.params, AdamWOptions(1e-2));
     torch::optim::AdamW ref(pair.ref, AdamWOptions(1e-2));
     for (int it = 0; it < 2; ++it) {
       pair.set_grads(it);
       flat.step();
       ref.step();
-      CHECK(flat.last_step().flat_params == 2);
-      CHECK(flat.last_step().single_params == 1);
+      CHECK(flat.last_step().flat_params == 2);    // {20000}, {10}: the empty one splits nothing
+      CHECK(flat.last_step().packed_params == 1);  // the empty one, packed (no elements)
       check_equal(pair, flat, ref);
     }
   }
@@ -365,4 +370,44 @@ TEST_CASE("Runs: eps == 0 allows no padding; empty parameters; closures", "[opti
     CHECK(torch::equal(loss, ref_loss));
     check_equal(pair, flat, ref);
   }
+}
+
+TEST_CASE("Packs: small parameters of separate storages and dtypes, stepped as one tensor per dtype", "[optim]") {
+  auto make = [](uint64_t seed) {
+    auto gen = at::detail::createCPUGenerator(seed);
+    std::vector<at::Tensor> ps;
+    for (int64_t n : {5, 1, 300, 17, 64}) ps.push_back(at::randn({n}, gen).requires_grad_(true));
+    for (int64_t n : {9, 2}) ps.push_back(at::randn({n}, gen).to(at::kDouble).requires_grad_(true));
+    ps.push_back(at::randn({20000}, gen).requires_grad_(true));  // above the pack limit: alone
+    return ps;
+  };
+  auto flat_params = make(3);
+  auto ref_params = make(3);
+  fsdp::optim::Adam flat(flat_params, AdamOptions(1e-2).amsgrad(true).weight_decay(0.1));
+  torch::optim::Adam ref(ref_params, AdamOptions(1e-2).amsgrad(true).weight_decay(0.1));
+  for (int it = 0; it < 5; ++it) {
+    auto gen = at::detail::createCPUGenerator(50 + it);
+    for (size_t i = 0; i < flat_params.size(); ++i) {
+      const bool missing = (it == 2 && i == 1) || (it == 3 && i == 5);
+      at::Tensor g = at::randn(flat_params[i].sizes(), gen).to(flat_params[i].scalar_type());
+      flat_params[i].mutable_grad() = missing ? at::Tensor() : g;
+      ref_params[i].mutable_grad() = missing ? at::Tensor() : g.clone();
+    }
+    flat.step();
+    ref.step();
+    INFO("step " << it);
+    CHECK(flat.last_step().packs == 2);
+    CHECK(flat.last_step().single_params == 1);
+    for (size_t i = 0; i < flat_params.size(); ++i) {
+      INFO("parameter " << i);
+      CHECK(torch::equal(flat_params[i].detach(), ref_params[i].detach()));
+      auto& fs = static_cast<torch::optim::AdamParamState&>(*flat.state().at(flat_params[i].unsafeGetTensorImpl()));
+      auto& rs = static_cast<torch::optim::AdamParamState&>(*ref.state().at(ref_params[i].unsafeGetTensorImpl()));
+      CHECK(fs.step() == rs.step());
+      CHECK(torch::equal(fs.exp_avg(), rs.exp_avg()));
+      CHECK(torch::equal(fs.max_exp_avg_sq(), rs.max_exp_avg_sq()));
+    }
+  }
+  // The version counters moved as torch::optim's in-place updates move them.
+  CHECK(flat_params[0]._version() == ref_params[0]._version());
 }
