@@ -102,6 +102,12 @@ void add_all_gather_fields(Fingerprint& f, const std::vector<std::unique_ptr<Fla
     if (needs_all_gather && handle->is_sharded_strategy()) {
       std::ostringstream g;
       g << layout.shard_numel() << " elements of " << c10::toString(handle->compute_dtype()) << " per rank";
+      // [Note: communication codecs] in fsdp/comm_codec.h: the world all-gather, not the one
+      // inside the post-forward group.
+      const auto& codec = handle->all_gather_codec();
+      if (codec && !handle->has_post_forward_shard()) {
+        g << ", encoded by " << codec->name() << " as " << codec->encoded_bytes(layout.shard_numel()) << " bytes";
+      }
       gathers.push_back(g.str());
     }
   }

@@ -16,6 +16,7 @@ FlatParamHandle::FlatParamHandle(std::vector<OrigParam> params,
       grad_(storage_, options.reduce_group ? options.reduce_group : comm_, options, streams_,
             storage_.take_initial_grads()) {
   if (!storage_.sharded()) post_forward_group_ = nullptr;  // nothing is gathered: nothing to keep
+  if (storage_.sharded()) all_gather_codec_ = options.all_gather_codec;
   if (post_forward_group_) {
     const int k = post_forward_group_->size();
     TORCH_CHECK(k >= 1 && comm_->size() % k == 0 && storage_.layout().padded_numel % k == 0,
@@ -43,6 +44,14 @@ void FlatParamHandle::start_unshard() {
         return;
       }
       const at::Tensor& source = storage_.gather_input();
+      if (all_gather_codec_) {  // [Note: communication codecs] in fsdp/comm_codec.h
+        encoded_shard_ = encode_rows(*all_gather_codec_, source.view({1, source.numel()}),
+                                     "fully_shard: unit '" + storage_.unit_fqn() + "': the all-gather codec");
+        encoded_gathered_ = at::empty({comm_->size() * encoded_shard_.numel()}, encoded_shard_.options());
+        pending_unshard_ = comm_->all_gather_into_tensor(encoded_gathered_, encoded_shard_.view({-1}),
+                                                         storage_.unit_fqn());
+        return;
+      }
       pending_unshard_ =
           comm_->all_gather_into_tensor(storage_.padded_unsharded(), source, storage_.unit_fqn());
     }, shard_written || from_post_forward);
@@ -51,6 +60,7 @@ void FlatParamHandle::start_unshard() {
     // else would free it (reshard() sees neither an unsharded handle nor a pending all-gather).
     pending_unshard_ = {};
     post_forward_shard_ = at::Tensor();
+    encoded_shard_ = encoded_gathered_ = at::Tensor();
     release_unsharded_buffer();
     throw;
   }
@@ -86,6 +96,20 @@ size_t FlatParamHandle::post_forward_shard_bytes() const {
   return post_forward_shard_.defined() ? post_forward_shard_.nbytes() : 0;
 }
 
+void FlatParamHandle::decode_gathered() {
+  at::Tensor gathered = std::move(encoded_gathered_);
+  encoded_shard_ = encoded_gathered_ = at::Tensor();
+  const int world = comm_->size();
+  at::Tensor rows = storage_.padded_unsharded().view({world, storage_.layout().shard_numel()});
+  try {
+    decode_rows(*all_gather_codec_, gathered.view({world, -1}), rows,
+                "fully_shard: unit '" + storage_.unit_fqn() + "': the all-gather codec");
+  } catch (...) {
+    release_unsharded_buffer();  // the parameters stay sharded
+    throw;
+  }
+}
+
 void FlatParamHandle::release_unsharded_buffer() {
   // Freed once the compute work enqueued so far is done with it (inline on the CPU: now).
   streams_->release_storage(*storage_.padded_unsharded().storage().unsafeGetStorageImpl());
@@ -108,11 +132,13 @@ void FlatParamHandle::unshard() {
       // backend's timeout aborts the job): its buffer is freed, the parameters stay sharded.
       pending_unshard_ = {};
       post_forward_shard_ = at::Tensor();
+      encoded_shard_ = encoded_gathered_ = at::Tensor();
       release_unsharded_buffer();
       throw;
     }
     pending_unshard_ = {};
     post_forward_shard_ = at::Tensor();  // gathered from: used once
+    if (encoded_gathered_.defined()) decode_gathered();
   } else {  // NO_SHARD with mixed precision or offload: a copy, no collective
     storage_.write_back_replaced_data();
     storage_.grow_unsharded_buffer();
@@ -131,12 +157,14 @@ void FlatParamHandle::reshard(bool after_forward) {
       // A prefetched all-gather that ended with an error: resharded all the same, then reported.
       pending_unshard_ = {};
       post_forward_shard_ = at::Tensor();
+      encoded_shard_ = encoded_gathered_ = at::Tensor();
       storage_.use_sharded_views();
       release_unsharded_buffer();
       throw;
     }
     pending_unshard_ = {};
     post_forward_shard_ = at::Tensor();  // gathered from: used once
+    encoded_shard_ = encoded_gathered_ = at::Tensor();  // never decoded: the buffer is freed
   }
   if (after_forward && post_forward_group_ && storage_.sharded() && storage_.is_unsharded()) {
     keep_post_forward_shard();

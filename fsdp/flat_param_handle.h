@@ -36,6 +36,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/fsdp/comm_codec.h"
 #include "fsdp_cpp/fsdp/device_streams.h"
 #include "fsdp_cpp/fsdp/flat_param_grad.h"
 #include "fsdp_cpp/fsdp/flat_param_layout.h"
@@ -106,6 +107,10 @@ class FlatParamHandle {
   /// The dtype the parameters are all-gathered and computed in, and the one gradients are reduced in.
   c10::ScalarType compute_dtype() const { return storage_.compute_dtype(); }
   c10::ScalarType reduce_dtype() const { return grad_.reduce_dtype(); }
+  /// The codec the all-gather over the handle's communicator carries the shard in ([Note:
+  /// communication codecs] in fsdp/comm_codec.h), or null (none, or not sharded across ranks).
+  /// The all-gather inside the post-forward group is never encoded.
+  const std::shared_ptr<const CommCodec>& all_gather_codec() const { return all_gather_codec_; }
   /// The codec gradients are reduced in ([Note: quantized gradient reduction] in
   /// fsdp/flat_param_grad.h), or null; reduces_encoded(): it is used (sharded over W > 1 ranks).
   const std::shared_ptr<const CommCodec>& reduce_codec() const { return grad_.reduce_codec(); }
@@ -193,10 +198,16 @@ class FlatParamHandle {
 
   // Keeps this rank's slice of the unsharded buffer for the post-forward group.
   void keep_post_forward_shard();
+  // [Note: communication codecs]: decodes the gathered rows into the unsharded buffer (once the
+  // compute stream waited for the all-gather), and frees the encoded buffers.
+  void decode_gathered();
 
   std::shared_ptr<comm::Communicator> comm_;
   std::shared_ptr<comm::Communicator> post_forward_group_;  // [Note: post-forward group], or null
   at::Tensor post_forward_shard_;  // 1-D [padded_numel / k] in the compute dtype, or undefined
+  std::shared_ptr<const CommCodec> all_gather_codec_;  // [Note: communication codecs], or null
+  at::Tensor encoded_shard_;     // all-gather in flight with a codec: [1 x encoded] uint8 sent
+  at::Tensor encoded_gathered_;  // and [W x encoded] uint8 received, decoded by unshard()
   FlatParamStorage storage_;
   std::shared_ptr<DeviceStreams> streams_;  // [Note: streams]
   FlatParamGrad grad_;                      // refers to storage_

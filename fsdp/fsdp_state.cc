@@ -166,6 +166,9 @@ std::string FSDPState::controls_string() const {
   }
   s << ", requires_all_reduce " << requires_all_reduce_ << ", unshard_in_backward " << unshard_in_backward_
     << ", reshard_after_backward " << reshard_after_backward_;
+  // The codecs decide which collectives the unit issues too ([Note: communication codecs]).
+  s << ", all_gather_codec " << codec_name(config_.options.all_gather_codec()) << ", reduce_codec "
+    << codec_name(config_.options.reduce_codec());
   return s.str();
 }
 
