@@ -195,6 +195,24 @@ FSDP_RANKS_TEST_CASE("a gradient divide factor divides the sum over the data-par
       }
       CHECK(rs == expected.reduce_scatters);
       CHECK(rs_bytes == expected_rs_bytes);
+      // Hybrid sharding: one replicate all-reduce per trainable handle, on the reduce-scatter's
+      // output in the reduce dtype ([Note: asynchronous replicate all-reduce]): half the bytes of
+      // the parameters' dtype with bf16.
+      if (mesh && mesh->replicate_group()->size() > 1) {
+        int64_t handles = 0, expected_ar_bytes = 0;
+        for (const auto& u : units) {
+          for (const auto& h : fsdp::detail::handles_of(u)) {
+            if (!h->requires_grad()) continue;
+            ++handles;
+            expected_ar_bytes += h->layout().shard_numel() * static_cast<int64_t>(c10::elementSize(h->reduce_dtype()));
+          }
+        }
+        // Plus the backward-reach agreement ([Note: backward reach]): 4 int64 per unit and 2.
+        const int64_t reach_bytes = (4 * static_cast<int64_t>(units.size()) + 2) * 8;
+        const auto ar = mesh->replicate_group()->stats(CollectiveKind::kAllReduce);
+        CHECK(ar.calls == handles + 1);
+        CHECK(ar.bytes == expected_ar_bytes + reach_bytes);
+      }
     }
   }
 }
