@@ -38,6 +38,34 @@ mkdir -p "$outdir"
 
 log() { echo "[benchmark] $*" >&2; }
 
+# Whether a phase ran on a quiet machine: the CPU time every process used while it ran (/proc/stat)
+# against the CPU time of the phase's own processes (the shell's children, `times`). What the
+# phase's processes do not explain was used by something else beside it; a phase where that is
+# more than 10% of one core over its wall time is marked BUSY in the report, with the figures.
+cpu_total() { awk '/^cpu / { print ($2 + $3 + $4 + $7 + $8 + $9) / 100 }' /proc/stat; }  # seconds
+# `times` must run in this shell (in a command substitution it would report the subshell's children).
+own_cpu() {  # own_cpu FILE: this shell's children's CPU seconds into FILE
+  times > "$1"
+  tail -n 1 "$1" | awk '{ gsub(/[ms]/, " "); print $1 * 60 + $2 + $3 * 60 + $4 }' > "$1.s"
+}
+load_notes=""
+phase() {  # phase NAME COMMAND...: runs COMMAND, notes whether something else ran beside it
+  local name=$1; shift
+  local t0 c0 o0 t1 c1 o1
+  local tf="${work:-/tmp}/phase_times"
+  own_cpu "$tf"; o0=$(cat "$tf.s"); t0=$(date +%s.%N); c0=$(cpu_total)
+  "$@"
+  t1=$(date +%s.%N); c1=$(cpu_total); own_cpu "$tf"; o1=$(cat "$tf.s")
+  local line
+  line=$(awk -v n="$name" -v t0="$t0" -v t1="$t1" -v c0="$c0" -v c1="$c1" -v o0="$o0" -v o1="$o1" \
+             -v la="$(cut -d' ' -f1 /proc/loadavg)" 'BEGIN {
+    w = t1 - t0; all = c1 - c0; own = o1 - o0; other = all - own; if (other < 0) other = 0;
+    printf "%s %s: wall %.1f s, its processes %.1f CPU-s, others %.1f CPU-s (%.0f%% of a core), load average %s\n",
+      (other > 0.1 * w ? "BUSY" : "quiet"), n, w, own, other, 100 * other / w, la }')
+  log "$line"
+  load_notes+="$line"$'\n'
+}
+
 # --- set-up: the README's, plus the benchmarks' Python environment (matplotlib, layered on the
 # test environment so that one keeps holding exactly tools/requirements.txt)
 tools/setup.sh --bench >&2
@@ -84,22 +112,27 @@ log "PyTorch FSDP2 / FSDP1 on the CPU with Gloo: checking they run"
 "$py" tools/bench/torch_bench.py --check --out "$outdir/py_check.json" >&2
 
 log "this project, world size 1 (plain run): local vs fully_shard"
-"$bin" --init "$init" --out "$outdir/cpp_w1.json" "${cpp_steps[@]}"
+phase "this project W=1" "$bin" --init "$init" --out "$outdir/cpp_w1.json" "${cpp_steps[@]}"
 
 log "this project, world size 2 (mpirun -np 2): fully_shard"
-TMPDIR="$work" mpirun --oversubscribe --bind-to none -np 2 -x OMP_NUM_THREADS -x MKL_NUM_THREADS \
-  "$bin" --init "$init" --out "$outdir/cpp_w2.json" --local 0 "${cpp2_steps[@]}"
+phase "this project W=2" env TMPDIR="$work" mpirun --oversubscribe --bind-to none -np 2 -x OMP_NUM_THREADS \
+  -x MKL_NUM_THREADS "$bin" --init "$init" --out "$outdir/cpp_w2.json" --local 0 "${cpp2_steps[@]}"
 
 log "PyTorch, world size 1: local, FSDP2, FSDP1"
-"$py" tools/bench/torch_bench.py --init "$init" --out "$outdir/py_w1.json" --world 1 \
+phase "PyTorch W=1" "$py" tools/bench/torch_bench.py --init "$init" --out "$outdir/py_w1.json" --world 1 \
   --variants local,fsdp2,fsdp1 "${py1_steps[@]}"
 
 log "PyTorch, world size 2 (2 processes, Gloo): FSDP2, FSDP1"
-"$py" tools/bench/torch_bench.py --init "$init" --out "$outdir/py_w2.json" --world 2 \
+phase "PyTorch W=2" "$py" tools/bench/torch_bench.py --init "$init" --out "$outdir/py_w2.json" --world 2 \
   --variants fsdp2,fsdp1 "${py2_steps[@]}"
 
 log "runs took $((SECONDS - start)) s; load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
 "$py" tools/bench/report.py --dir "$outdir" --out "$out" --png "$png"
+echo "== machine load during each run (figures of a BUSY run were taken beside other work) =="
+printf '%s' "$load_notes" | tee "$outdir/load.txt"
+if grep -q '^BUSY' "$outdir/load.txt"; then
+  echo "WARNING: some figures above were taken while other processes used the CPU (BUSY lines): rerun on a quiet machine"
+fi
 
 # Checkpoints: fsdp::dcp save/load throughput and memory against dd and Python DCP (its own table).
 log "checkpoints: tools/checkpoint_benchmark.sh -> $outdir/checkpoint.txt"
