@@ -84,6 +84,13 @@ HandlePlan plan_handle(const FlatParamHandle& handle, const FSDPConfig& config) 
   h.aligned_numel = layout.unpadded_numel;
   h.padded_numel = layout.padded_numel;
   h.shard_numel = layout.shard_numel();
+  // [Note: communication codecs]: used only when sharded across ranks.
+  if (h.sharded && handle.all_gather_codec()) {
+    h.encoded_gather_bytes = handle.all_gather_codec()->encoded_bytes(h.shard_numel);
+  }
+  if (h.sharded && h.trainable && handle.reduce_codec()) {
+    h.encoded_reduce_bytes = handle.reduce_codec()->encoded_bytes(h.shard_numel);
+  }
   for (size_t i = 0; i < handle.params().size(); ++i) {
     std::string text = handle.params()[i].fqn + " " + contract::shape_string(layout.entries[i].shape);
     if (auto placement = tensor_placement(handle.params()[i].param)) text += " (" + placement->describe() + ")";
@@ -220,6 +227,8 @@ void plan_unit_settings(UnitPlan& unit, const FSDPState& state, bool is_root, co
   unit.param_dtype = config.options.mixed_precision().param_dtype();
   unit.reduce_dtype = config.options.mixed_precision().reduce_dtype();
   unit.offload_to_cpu = config.options.offload_to_cpu();
+  if (config.options.all_gather_codec()) unit.all_gather_codec = config.options.all_gather_codec()->name();
+  if (config.options.reduce_codec()) unit.reduce_codec = config.options.reduce_codec()->name();
 }
 
 // What the whole tree shares while planning the handles.
@@ -265,14 +274,17 @@ void plan_handle_memory_and_communication(const FlatParamHandle& handle, const F
   // Communication per step.
   CommunicationPlan& c = result.communication;
   if (h.sharded) {
-    const int64_t gathered = h.padded_numel * element_size(h.compute_dtype);
+    const int64_t unencoded = h.padded_numel * element_size(h.compute_dtype);
+    // Over the shard group: the encoded shards with an all-gather codec.
+    const int64_t gathered =
+        h.encoded_gather_bytes > 0 ? h.encoded_gather_bytes * handle.layout().world_size : unencoded;
     const int gathers = unit.reshards_after_forward ? 2 : 1;  // forward, and again in backward
-    if (unit.post_forward_group_size > 0) {  // backward's inside the post-forward group
+    if (unit.post_forward_group_size > 0) {  // backward's inside the post-forward group, unencoded
       c.all_gather.calls += 1;
       c.all_gather.bytes += gathered;
       c.post_forward_all_gather.calls += 1;
-      c.post_forward_all_gather.bytes += gathered;
-      result.unsharded_params.post_forward += gathered / unit.post_forward_group_size;
+      c.post_forward_all_gather.bytes += unencoded;
+      result.unsharded_params.post_forward += unencoded / unit.post_forward_group_size;
     } else {
       c.all_gather.calls += gathers;
       c.all_gather.bytes += gathers * gathered;
@@ -280,7 +292,10 @@ void plan_handle_memory_and_communication(const FlatParamHandle& handle, const F
   }
   if (h.trainable) {
     const int64_t reduced = h.padded_numel * element_size(h.reduce_dtype);
-    if (h.sharded) {
+    if (h.sharded && h.encoded_reduce_bytes > 0) {  // [Note: quantized gradient reduction]
+      c.all_to_all.calls += 1;
+      c.all_to_all.bytes += h.encoded_reduce_bytes * handle.layout().world_size;
+    } else if (h.sharded) {
       c.reduce_scatter.calls += 1;
       c.reduce_scatter.bytes += reduced;
     } else if (config.comm->size() > 1) {
@@ -288,11 +303,13 @@ void plan_handle_memory_and_communication(const FlatParamHandle& handle, const F
       c.all_reduce.bytes += reduced;
     }
     if (unit.replicate_group_size > 1) {
-      // HSDP: the reduce-scatter's output, in the reduce dtype ([Note: asynchronous replicate
-      // all-reduce] in fsdp/flat_param_grad.h). Passes that add a replicate partial
-      // (set_requires_all_reduce) all-reduce in the parameters' dtype instead.
+      // HSDP: the reduce-scatter's output, in the reduce dtype (float32 after a quantized
+      // reduction's decode: [Note: asynchronous replicate all-reduce] in fsdp/flat_param_grad.h).
+      // Passes that add a replicate partial (set_requires_all_reduce) all-reduce in the
+      // parameters' dtype instead.
+      const c10::ScalarType dtype = h.sharded && h.encoded_reduce_bytes > 0 ? c10::ScalarType::Float : h.reduce_dtype;
       c.all_reduce.calls += 1;
-      c.all_reduce.bytes += h.shard_numel * element_size(h.reduce_dtype);
+      c.all_reduce.bytes += h.shard_numel * element_size(dtype);
     }
   }
   unit.handles.push_back(std::move(h));
@@ -525,6 +542,8 @@ std::ostream& operator<<(std::ostream& out, const ShardingPlan& plan) {
         << " reduce " << (unit.reduce_dtype ? c10::toString(*unit.reduce_dtype) : unit.param_dtype ? c10::toString(*unit.param_dtype) : "-");
     }
     if (unit.offload_to_cpu) s << ", CPU offload";
+    if (!unit.all_gather_codec.empty()) s << ", all-gather codec " << unit.all_gather_codec;
+    if (!unit.reduce_codec.empty()) s << ", reduce codec " << unit.reduce_codec;
     s << "\n";
     if (unit.handles.empty()) s << indent << "  no parameters of its own\n";
     for (size_t i = 0; i < unit.handles.size(); ++i) {
@@ -602,6 +621,7 @@ std::ostream& operator<<(std::ostream& out, const ShardingPlan& plan) {
   comm_row("all_gather_into_tensor", c.all_gather);
   comm_row("reduce_scatter_tensor", c.reduce_scatter);
   comm_row("all_reduce", c.all_reduce);
+  if (c.all_to_all.calls > 0) comm_row("all_to_all_single", c.all_to_all);  // reduce codecs
   if (c.post_forward_all_gather.calls > 0) {
     comm_row("all_gather_into_tensor", c.post_forward_all_gather);
     s << "    (the line above: backward all-gathers inside the post-forward groups, not in the first line)\n";

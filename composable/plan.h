@@ -42,7 +42,11 @@
 //    handles are all-reduced; with HSDP the sharded gradient is then all-reduced across replicas
 //    (in the parameters' dtype). Frozen handles get no reduction. Each backward pass begins with
 //    one all-reduce of 2 int64 per unit (and 2 more) over the shard group, and one over the
-//    replicate group with HSDP ([Note: backward reach] in fsdp/backward_reach.h). On one rank
+//    replicate group with HSDP ([Note: backward reach] in fsdp/backward_reach.h). A unit with an
+//    all_gather_codec carries W x encoded_bytes(shard_numel) per all-gather over its shard group
+//    (the post-forward group's all-gathers are not encoded); one with a reduce_codec reduces each
+//    trainable sharded handle with an all-to-all of W x encoded_bytes(shard_numel) instead of
+//    the reduce-scatter ([Note: communication codecs] in fsdp/comm_codec.h). On one rank
 //    nothing is communicated. Assumes each unit runs once per forward and is reached by backward; the first
 //    iteration's small order checks (all_gather_bytes) are not counted.
 
@@ -132,6 +136,12 @@ struct HandlePlan {
   /// any rank holds.
   int64_t rank_numel = 0;
   int64_t max_rank_numel = 0;
+  /// Quantized communication ([Note: communication codecs] in fsdp/comm_codec.h), when the handle
+  /// is sharded and its unit has the codec: the bytes of this rank's encoded shard
+  /// (encoded_bytes(shard_numel)) for the all-gather, and per destination for the gradient
+  /// all-to-all; 0 otherwise.
+  int64_t encoded_gather_bytes = 0;
+  int64_t encoded_reduce_bytes = 0;
   /// The original parameters, "fqn [shape]", relative to the unit's module.
   std::vector<std::string> params;
 
@@ -163,6 +173,9 @@ struct UnitPlan {
   std::optional<c10::ScalarType> param_dtype;
   std::optional<c10::ScalarType> reduce_dtype;
   bool offload_to_cpu = false;
+  /// The codecs' names (CommCodec::name()), empty when none.
+  std::string all_gather_codec;
+  std::string reduce_codec;
   std::vector<HandlePlan> handles;
 
   /// The unit's name as lazy initialisation gives it ("<root>", "blocks.0", "a+b").
@@ -216,6 +229,7 @@ struct CommunicationPlan {
   CollectivePlan all_gather;      // comm::CollectiveKind::kAllGather
   CollectivePlan reduce_scatter;  // comm::CollectiveKind::kReduceScatter
   CollectivePlan all_reduce;      // comm::CollectiveKind::kAllReduce
+  CollectivePlan all_to_all;      // comm::CollectiveKind::kAllToAll: gradients reduced through a codec
   /// reshard_after_forward(int): the backward all-gathers inside the post-forward groups (counted
   /// by those groups' communicators, not in all_gather).
   CollectivePlan post_forward_all_gather;

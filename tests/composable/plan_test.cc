@@ -214,6 +214,16 @@ std::vector<Case> cases() {
       {"HSDP with SHARD_GRAD_OP and a frozen handle, SGD with momentum", plan_net(uneven, {}, freeze_block1_fc1),
        o().strategy(ShardingStrategy::kShardGradOp), po(PlanOptimizer::kSGDMomentum), /*hybrid=*/true},
       {"tied parameter, Adam", tied_net(), o(), po(PlanOptimizer::kAdam)},
+      // Quantized communication: the encoded bytes ([Note: communication codecs]).
+      {"int8 all-gather and reduce codecs, AdamW", plan_net(uneven),
+       o().all_gather_codec(fsdp::int8_block_codec(16)).reduce_codec(fsdp::int8_block_codec(8, bf16)),
+       po(PlanOptimizer::kAdamW)},
+      {"HSDP with SHARD_GRAD_OP, bf16 and int8 codecs, SGD with momentum", plan_net(uneven),
+       o().strategy(ShardingStrategy::kShardGradOp)
+           .mixed_precision(fsdp::MixedPrecision().param_dtype(bf16))
+           .all_gather_codec(fsdp::int8_block_codec(32, bf16))
+           .reduce_codec(fsdp::int8_block_codec(32)),
+       po(PlanOptimizer::kSGDMomentum), /*hybrid=*/true},
       {"GPT, AdamW", gpt(small_gpt()), o(), po(PlanOptimizer::kAdamW)},
   };
 }
@@ -239,6 +249,8 @@ fsdp::CommunicationPlan measured_since(const std::vector<std::shared_ptr<fsdp::c
     m.reduce_scatter.bytes += c->stats(CollectiveKind::kReduceScatter).bytes;
     m.all_reduce.calls += c->stats(CollectiveKind::kAllReduce).calls;
     m.all_reduce.bytes += c->stats(CollectiveKind::kAllReduce).bytes;
+    m.all_to_all.calls += c->stats(CollectiveKind::kAllToAll).calls;
+    m.all_to_all.bytes += c->stats(CollectiveKind::kAllToAll).bytes;
     c->reset_stats();
   }
   return m;
@@ -251,6 +263,8 @@ void check_equal(const fsdp::CommunicationPlan& measured, const fsdp::Communicat
   CHECK(measured.reduce_scatter.bytes == predicted.reduce_scatter.bytes);
   CHECK(measured.all_reduce.calls == predicted.all_reduce.calls);
   CHECK(measured.all_reduce.bytes == predicted.all_reduce.bytes);
+  CHECK(measured.all_to_all.calls == predicted.all_to_all.calls);
+  CHECK(measured.all_to_all.bytes == predicted.all_to_all.bytes);
 }
 
 FSDP_RANKS_TEST_CASE("the plan's bytes per collective and sharded-state memory equal a training step's", "[plan]") {
@@ -579,6 +593,33 @@ FSDP_RANKS_TEST_CASE("the printed plan of a small model (golden)", "[plan]") {
   const std::string expected = golden_text(world_size(), rank());
   CHECK(text == expected);
   if (text != expected) std::fprintf(stderr, "[plan] golden mismatch on rank %d, got:\n%s", rank(), text.c_str());
+}
+
+FSDP_RANKS_TEST_CASE("the printed plan names the codecs and the encoded bytes", "[plan][quantized_comm]") {
+  const int W = world_size();
+  auto comm = std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU);
+  Trainee t = plan_net({3})();
+  auto codec = fsdp::int8_block_codec(16);
+  const auto units = t.shard(FullyShardOptions().communicator(comm).all_gather_codec(codec).reduce_codec(codec));
+  const fsdp::ShardingPlan plan = fsdp::plan(units.back());
+  const std::string text = printed(plan);
+  INFO(text);
+  CHECK_THAT(text, Catch::Matchers::Contains("all-gather codec int8_block(16, Float scales), reduce codec "
+                                             "int8_block(16, Float scales)"));
+  // The golden model's handles (72 and 60 padded elements): W x encoded_bytes(shard) per
+  // all-gather (the block gathered twice, the root once) and per all-to-all.
+  int64_t gathered = 0, reduced = 0;
+  for (int64_t padded : {72, 60}) {
+    const int64_t encoded = W * codec->encoded_bytes(padded / W);
+    gathered += (padded == 72 ? 1 : 2) * encoded;
+    reduced += encoded;
+  }
+  CHECK(plan.communication.all_gather.bytes == (W > 1 ? gathered : 0));
+  CHECK(plan.communication.all_to_all.bytes == (W > 1 ? reduced : 0));
+  CHECK(plan.communication.reduce_scatter.calls == 0);
+  if (W > 1) {
+    CHECK_THAT(text, Catch::Matchers::Contains("all_to_all_single       2 calls, " + std::to_string(reduced) + " B"));
+  }
 }
 
 FSDP_RANKS_TEST_CASE("plan refuses a module that is not the root unit, naming it", "[plan]") {
