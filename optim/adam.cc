@@ -1,22 +1,12 @@
 #include "fsdp_cpp/optim/adam.h"
 
-#include <ATen/core/grad_mode.h>
-#include <c10/core/GradMode.h>
-
 #include "adam_family_step.h"
 
 namespace fsdp::optim {
 
 torch::Tensor Adam::step(LossClosure closure) {
-  at::NoGradGuard no_grad;
-  torch::Tensor loss;
-  if (closure != nullptr) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
-  detail::adam_family_step<torch::optim::AdamParamState, torch::optim::AdamOptions>(
-      param_groups_, state_, /*decoupled=*/false, "Adam", pack_max_numel_, stats_);
-  return loss;
+  return detail::adam_family_step<torch::optim::AdamParamState, torch::optim::AdamOptions>(
+      closure, param_groups_, state_, /*decoupled=*/false, "Adam", pack_max_numel_, stats_);
 }
 
 }  // namespace fsdp::optim

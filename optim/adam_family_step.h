@@ -17,6 +17,8 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/GradMode.h>
 #include <ATen/ops/max.h>
 #include <ATen/ops/zeros_like.h>
 #include <torch/optim/optimizer.h>
@@ -125,9 +127,17 @@ void adam_run(const ParamRun& run, const std::vector<at::Tensor>& params, StateM
   finish_flat_step(run, params, stats);
 }
 
+// The whole step() of Adam (decoupled false) or AdamW (true): the closure, then every group.
 template <class State, class Options>
-void adam_family_step(std::vector<torch::optim::OptimizerParamGroup>& groups, StateMap& states, bool decoupled,
-                      const char* name, int64_t pack_max_numel, FlatStepStats& stats) {
+at::Tensor adam_family_step(const torch::optim::Optimizer::LossClosure& closure,
+                            std::vector<torch::optim::OptimizerParamGroup>& groups, StateMap& states,
+                            bool decoupled, const char* name, int64_t pack_max_numel, FlatStepStats& stats) {
+  at::NoGradGuard no_grad;
+  at::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
   stats = FlatStepStats();
   for (auto& group : groups) {
     const auto& options = static_cast<const Options&>(group.options());
@@ -143,6 +153,7 @@ void adam_family_step(std::vector<torch::optim::OptimizerParamGroup>& groups, St
       }
     }
   }
+  return loss;
 }
 
 }  // namespace fsdp::optim::detail

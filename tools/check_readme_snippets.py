@@ -4,6 +4,8 @@ usage: check_readme_snippets.py [REPO_ROOT]
 
 - The first ```cpp block under "## Using fully_shard" must be examples/consumer/train.cc, byte for
   byte (tools/consumer_check.sh then builds and runs it, so the README's example builds as written).
+- The first ```cpp block under "## Optimizers on flat shards" must be
+  tests/optim/flat_optimizer_example.cc, byte for byte (built by //tests/optim:flat_optimizer_example).
 - Under "## Using the library from another Bazel workspace": the ```python block with `cc_binary(`
   must appear verbatim in examples/consumer/BUILD.bazel; the lines of the WORKSPACE block that load
   and call fsdp_dependencies must appear in examples/consumer/WORKSPACE; the ```text block of
@@ -43,13 +45,17 @@ def main():
         problems.append(what + ":\n" + "".join(difflib.unified_diff(
             expected.splitlines(True), got.splitlines(True), a, b)))
 
-    usage = blocks(section(readme, "## Using fully_shard"), "cpp")
-    train = read("examples/consumer/train.cc")
-    if not usage:
-        problems.append("README.md: no ```cpp block under '## Using fully_shard'")
-    elif usage[0] != train:
-        differ("the README's example is not examples/consumer/train.cc", train, usage[0],
-               "examples/consumer/train.cc", "README.md (Using fully_shard)")
+    def first_cpp_block_is(heading, path):
+        found = blocks(section(readme, heading), "cpp")
+        expected = read(path)
+        if not found:
+            problems.append(f"README.md: no ```cpp block under '{heading}'")
+        elif found[0] != expected:
+            differ(f"the README's example under '{heading}' is not {path}", expected, found[0], path,
+                   f"README.md ({heading[3:]})")
+
+    first_cpp_block_is("## Using fully_shard", "examples/consumer/train.cc")
+    first_cpp_block_is("## Optimizers on flat shards", "tests/optim/flat_optimizer_example.cc")
 
     consumer = section(readme, "## Using the library from another Bazel workspace")
     build = read("examples/consumer/BUILD.bazel")
