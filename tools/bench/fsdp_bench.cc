@@ -7,9 +7,11 @@
 //   mpirun -np 2 fsdp_bench --init FILE --out JSON --local 0   world size 2
 //
 // Per model it trains the variants (local: no fully_shard; fsdp: fully_shard on every block, then
-// the root) step by step in turn, each step zero_grad + forward + backward + AdamW step, and
-// records each step's time (forward+backward and optimizer step apart), the loss, and the
-// Communicator's calls and bytes per collective kind per step. Then (--memory 1) it installs a
+// the root; fsdp_flat: the same with fsdp::optim::AdamW, optim/, instead of torch::optim::AdamW,
+// unless --flat-optimizer 0) step by step in turn, each step zero_grad + forward + backward +
+// AdamW step, and records each step's time (forward+backward and optimizer step apart), the loss,
+// and the Communicator's calls and bytes per collective kind per step (of the fsdp variant:
+// fsdp_flat issues the same collectives, not counted). Then (--memory 1) it installs a
 // counting CPU allocator (tools/bench/counting_allocator.h) and, on fresh copies of each variant
 // (local and fsdp, on every rank), measures the peak of live bytes over whole training steps
 // (forward, backward, optimizer step, zero_grad), the bytes of parameters, gradients and optimizer
@@ -47,6 +49,7 @@
 #include "fsdp_cpp/composable/fully_shard.h"
 #include "fsdp_cpp/composable/fully_shard_internal.h"
 #include "fsdp_cpp/examples/gpt_model.h"
+#include "fsdp_cpp/optim/adamw.h"
 #include "fsdp_cpp/tools/bench/bench_models.h"
 #include "fsdp_cpp/tools/bench/counting_allocator.h"
 #include "fsdp_cpp/tools/bench/json_writer.h"
@@ -63,7 +66,7 @@ constexpr const char* kUsage = R"(usage:
              [--gpt-layers N] [--gpt-d-model N] [--gpt-heads N] [--gpt-context N] [--gpt-batch N]
              [--gpt-vocab N]
   fsdp_bench --init FILE --out JSON [--models tiny,gpt] [--local 0|1] [--fsdp 0|1] [--memory 0|1]
-             [--warmup N] [--steps N] [--gpt-warmup N] [--gpt-steps N] [--lr X] [--threads N]
+             [--flat-optimizer 0|1] [--warmup N] [--steps N] [--gpt-warmup N] [--gpt-steps N] [--lr X] [--threads N]
 )";
 
 struct Flags {
@@ -74,6 +77,7 @@ struct Flags {
   bool local = true;
   bool fsdp = true;
   bool memory = true;
+  bool flat_optimizer = true;  // the fsdp_flat variant (fully_shard + fsdp::optim::AdamW)
   int64_t warmup = 10;
   int64_t steps = 40;
   int64_t gpt_warmup = 3;
@@ -116,6 +120,7 @@ Flags parse_flags(int argc, char** argv) {
     else if (a == "--local") f.local = std::stoi(need(i)) != 0;
     else if (a == "--fsdp") f.fsdp = std::stoi(need(i)) != 0;
     else if (a == "--memory") f.memory = std::stoi(need(i)) != 0;
+    else if (a == "--flat-optimizer") f.flat_optimizer = std::stoi(need(i)) != 0;
     else if (a == "--warmup") f.warmup = std::stoll(need(i));
     else if (a == "--steps") f.steps = std::stoll(need(i));
     else if (a == "--gpt-warmup") f.gpt_warmup = std::stoll(need(i));
@@ -178,11 +183,11 @@ void write_init(const Flags& f) {
 
 /// One model being trained: its module, loss on batch i of this rank, units (fsdp) and optimizer.
 struct Trainee {
-  std::string variant;  // "local" or "fsdp"
+  std::string variant;  // "local", "fsdp" or "fsdp_flat"
   std::shared_ptr<torch::nn::Module> module;
   std::function<at::Tensor(int64_t)> loss;
   std::vector<fsdp::FSDPModule> units;  // the root last; empty for local
-  std::unique_ptr<torch::optim::AdamW> optim;
+  std::unique_ptr<torch::optim::Optimizer> optim;  // AdamW: torch::optim's, or fsdp::optim's
   std::vector<double> fb_s, opt_s, step_s, cpu_s, losses;
 };
 
@@ -190,11 +195,12 @@ int64_t cfg(const TensorMap& t, const std::string& name, int64_t i) {
   return t.at(name).data_ptr<int64_t>()[i];
 }
 
-/// Builds `model` ("tiny" or "gpt") from the init file, sharded when `fsdp`.
+/// Builds `model` ("tiny" or "gpt") from the init file, sharded when `fsdp`, trained with
+/// fsdp::optim::AdamW when `flat_optimizer` (else torch::optim::AdamW).
 std::unique_ptr<Trainee> make_trainee(const std::string& model, bool fsdp, const TensorMap& t,
-                                      int rank, double lr) {
+                                      int rank, double lr, bool flat_optimizer = false) {
   auto trainee = std::make_unique<Trainee>();
-  trainee->variant = fsdp ? "fsdp" : "local";
+  trainee->variant = fsdp ? (flat_optimizer ? "fsdp_flat" : "fsdp") : (flat_optimizer ? "local_flat" : "local");
   if (model == "tiny") {
     const int64_t dim = cfg(t, "tiny.config", 0), depth = cfg(t, "tiny.config", 1);
     fsdp::bench::TinyNet net(dim, depth);
@@ -235,8 +241,12 @@ std::unique_ptr<Trainee> make_trainee(const std::string& model, bool fsdp, const
   } else {
     throw std::invalid_argument("unknown model '" + model + "' (tiny or gpt)");
   }
-  trainee->optim = std::make_unique<torch::optim::AdamW>(
-      trainee->module->parameters(), torch::optim::AdamWOptions(lr).weight_decay(0.01));
+  const auto options = torch::optim::AdamWOptions(lr).weight_decay(0.01);
+  if (flat_optimizer) {
+    trainee->optim = std::make_unique<fsdp::optim::AdamW>(trainee->module->parameters(), options);
+  } else {
+    trainee->optim = std::make_unique<torch::optim::AdamW>(trainee->module->parameters(), options);
+  }
   return trainee;
 }
 
@@ -315,23 +325,38 @@ void bench_timing(JsonWriter& w, const std::string& model, const Flags& f, const
   std::vector<std::unique_ptr<Trainee>> trainees;
   if (f.local) trainees.push_back(make_trainee(model, false, t, comm.rank(), f.lr));
   if (f.fsdp) trainees.push_back(make_trainee(model, true, t, comm.rank(), f.lr));
+  if (f.fsdp && f.flat_optimizer) trainees.push_back(make_trainee(model, true, t, comm.rank(), f.lr, true));
   TORCH_CHECK(!trainees.empty(), "--local 0 --fsdp 0: nothing to run");
   const int64_t warmup = model == "gpt" ? f.gpt_warmup : f.warmup;
   const int64_t steps = model == "gpt" ? f.gpt_steps : f.steps;
   std::vector<fsdp::comm::CollectiveStats> stats(fsdp::comm::kNumCollectiveKinds);
+  // The collectives of the fsdp variant's measured steps only (fsdp_flat issues the same ones).
+  auto counted_step = [&](Trainee& tr, int64_t i) {
+    std::vector<fsdp::comm::CollectiveStats> before(fsdp::comm::kNumCollectiveKinds);
+    for (int k = 0; k < fsdp::comm::kNumCollectiveKinds; ++k) before[k] = comm.stats(static_cast<CollectiveKind>(k));
+    train_step(tr, i);
+    if (tr.variant != "fsdp" || i < warmup) return;
+    for (int k = 0; k < fsdp::comm::kNumCollectiveKinds; ++k) {
+      const auto after = comm.stats(static_cast<CollectiveKind>(k));
+      stats[k].calls += after.calls - before[k].calls;
+      stats[k].bytes += after.bytes - before[k].bytes;
+    }
+  };
   for (int64_t i = 0; i < warmup + steps; ++i) {
-    if (i == warmup) comm.reset_stats();
     // Alternate the order, so that neither variant always runs right after the other.
     if (i % 2 == 0) {
-      for (auto& tr : trainees) train_step(*tr, i);
+      for (auto& tr : trainees) counted_step(*tr, i);
     } else {
-      for (auto it = trainees.rbegin(); it != trainees.rend(); ++it) train_step(**it, i);
+      for (auto it = trainees.rbegin(); it != trainees.rend(); ++it) counted_step(**it, i);
     }
   }
-  for (int k = 0; k < fsdp::comm::kNumCollectiveKinds; ++k) {
-    stats[k] = comm.stats(static_cast<CollectiveKind>(k));
-  }
-  const Trainee& sharded = *trainees.back();
+  // The torch::optim fsdp variant (the last one when --fsdp 0: local).
+  const Trainee& sharded = [&]() -> const Trainee& {
+    for (const auto& tr : trainees) {
+      if (tr->variant == "fsdp") return *tr;
+    }
+    return *trainees.back();
+  }();
   // The collectives of one step alone, issued one after the other with the buffers allocated as the
   // handles do (an unsharded buffer per all-gather; a zeroed padded gradient buffer and an output
   // shard per reduce-scatter, divided by the world size): what communication costs by itself.
