@@ -17,6 +17,7 @@
 #include "fsdp_cpp/tests/testing/multi_rank.h"
 
 using Catch::Matchers::Contains;
+using fsdp::testing::fresh_comm;
 using fsdp::testing::error_of;
 using fsdp::testing::rank;
 using fsdp::testing::same_on_every_rank;
@@ -24,10 +25,6 @@ using fsdp::testing::world;
 using fsdp::testing::world_size;
 
 namespace {
-
-std::shared_ptr<fsdp::comm::Communicator> fresh_comm() {
-  return std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU);
-}
 
 fsdp::FullyShardOptions options(std::shared_ptr<fsdp::comm::Communicator> comm = fresh_comm()) {
   return fsdp::FullyShardOptions().communicator(std::move(comm));

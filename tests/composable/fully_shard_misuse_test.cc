@@ -35,14 +35,11 @@
 namespace {
 
 using Catch::Matchers::Contains;
+using fsdp::testing::fresh_comm;
 using fsdp::testing::error_of;  // tests/testing/errors.h, through multi_rank.h
 using fsdp::testing::kNoError;
 using fsdp::testing::world;
 using fsdp::testing::world_size;
-
-std::shared_ptr<fsdp::comm::Communicator> fresh_comm() {
-  return std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU);
-}
 
 fsdp::FullyShardOptions options() { return fsdp::FullyShardOptions().communicator(fresh_comm()); }
 

@@ -25,16 +25,13 @@
 namespace {
 
 using fsdp::FullyShardOptions;
+using fsdp::testing::fresh_comm;
 using fsdp::testing::error_of;
 using fsdp::testing::rank;
 using fsdp::testing::same_on_every_rank;
 using fsdp::testing::world;
 using fsdp::testing::world_size;
 using Catch::Matchers::Contains;
-
-std::shared_ptr<fsdp::comm::Communicator> fresh_comm() {
-  return std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU);
-}
 
 constexpr int64_t kDim = 64;
 constexpr int kDepth = 6;

@@ -22,13 +22,10 @@
 namespace {
 
 using Catch::Matchers::Contains;
+using fsdp::testing::fresh_comm;
 using fsdp::testing::rank;
 using fsdp::testing::world;
 using fsdp::testing::world_size;
-
-std::shared_ptr<fsdp::comm::Communicator> fresh_comm() {
-  return std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU);
-}
 
 fsdp::FullyShardOptions options(std::shared_ptr<fsdp::comm::Communicator> comm = fresh_comm()) {
   return fsdp::FullyShardOptions().communicator(std::move(comm));

@@ -39,6 +39,7 @@ using Catch::Matchers::Contains;
 using fsdp::FSDPModule;
 using fsdp::FullyShardOptions;
 using fsdp::ShardingStrategy;
+using fsdp::testing::fresh_comm;
 using fsdp::testing::Instance;
 using fsdp::testing::Optim;
 using fsdp::testing::ParityOptions;
@@ -49,10 +50,6 @@ using fsdp::testing::world_size;
 
 constexpr int64_t kIn = 6;
 constexpr int64_t kHidden = 8;
-
-std::shared_ptr<fsdp::comm::Communicator> fresh_comm() {
-  return std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU);
-}
 
 // Each parameter tensor of `m` once (LibTorch lists a tied tensor under every module using it).
 std::vector<at::Tensor> unique_parameters(const torch::nn::Module& m) {

@@ -23,6 +23,7 @@ namespace {
 using Catch::Matchers::Contains;
 using fsdp::ShardingStrategy;
 using fsdp::comm::CollectiveKind;
+using fsdp::testing::fresh_comm;
 using fsdp::testing::Instance;
 using fsdp::testing::Optim;
 using fsdp::testing::ParityOptions;
@@ -30,10 +31,6 @@ using fsdp::testing::Scenario;
 using fsdp::testing::rank;
 using fsdp::testing::world;
 using fsdp::testing::world_size;
-
-std::shared_ptr<fsdp::comm::Communicator> fresh_comm() {
-  return std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU);
-}
 
 Scenario mlp_stack(std::string name, std::function<void(fsdp::testing::MlpStack&)> freeze = nullptr) {
   return fsdp::testing::mlp_stack_scenario(std::move(name), std::move(freeze));

@@ -40,6 +40,7 @@ namespace {
 
 using Catch::Matchers::Contains;
 using fsdp::comm::CollectiveKind;
+using fsdp::testing::fresh_comm;
 using fsdp::testing::MlpStack;
 using fsdp::testing::rank;
 using fsdp::testing::world;
@@ -111,10 +112,6 @@ GradientAllReduces gradient_all_reduces(const fsdp::comm::Communicator& group) {
     n.bytes += e.bytes;
   }
   return n;
-}
-
-std::shared_ptr<fsdp::comm::Communicator> fresh_comm() {
-  return std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU);
 }
 
 // The shard sizes that divide the world (every hybrid mesh, 1 x W and W x 1 included).

@@ -34,14 +34,11 @@ namespace {
 
 using Catch::Matchers::Contains;
 using fsdp::comm::CollectiveKind;
+using fsdp::testing::fresh_comm;
 using fsdp::testing::MlpStack;
 using fsdp::testing::rank;
 using fsdp::testing::world;
 using fsdp::testing::world_size;
-
-std::shared_ptr<fsdp::comm::Communicator> fresh_comm() {
-  return std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU);
-}
 
 // Group sizes of reshard_after_forward(int) valid on this world: the divisors from 2 up.
 std::vector<int> group_sizes() {

@@ -23,14 +23,11 @@ namespace {
 using Catch::Matchers::Contains;
 using fsdp::ShardingStrategy;
 using fsdp::comm::CollectiveKind;
+using fsdp::testing::fresh_comm;
 using fsdp::testing::MlpStack;
 using fsdp::testing::rank;
 using fsdp::testing::world;
 using fsdp::testing::world_size;
-
-std::shared_ptr<fsdp::comm::Communicator> fresh_comm() {
-  return std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU);
-}
 
 FSDP_RANKS_TEST_CASE("gradient reductions on a separate communicator train like the reference",
                      "[reduce_communicator][parity]") {

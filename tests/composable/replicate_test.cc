@@ -25,15 +25,12 @@ namespace {
 
 using Catch::Matchers::Contains;
 using fsdp::comm::CollectiveKind;
+using fsdp::testing::fresh_comm;
 using fsdp::testing::rank;
 using fsdp::testing::world;
 using fsdp::testing::world_size;
 
 enum class Optim { kSgdMomentum, kAdam };
-
-std::shared_ptr<fsdp::comm::Communicator> fresh_comm() {
-  return std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU);
-}
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(Optim kind, const std::vector<at::Tensor>& params) {
   if (kind == Optim::kSgdMomentum) {

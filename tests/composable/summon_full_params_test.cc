@@ -22,14 +22,11 @@
 namespace {
 
 using Catch::Matchers::Contains;
+using fsdp::testing::fresh_comm;
 using fsdp::testing::MlpStack;
 using fsdp::testing::rank;
 using fsdp::testing::world;
 using fsdp::testing::world_size;
-
-std::shared_ptr<fsdp::comm::Communicator> fresh_comm() {
-  return std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU);
-}
 
 fsdp::FullyShardOptions options(fsdp::ShardingStrategy strategy = fsdp::ShardingStrategy::kFullShard) {
   return fsdp::FullyShardOptions().communicator(fresh_comm()).strategy(strategy);

@@ -46,14 +46,11 @@ namespace {
 
 using Catch::Matchers::Contains;
 using fsdp::comm::CollectiveKind;
+using fsdp::testing::fresh_comm;
 using fsdp::testing::EmbedMlp;
 using fsdp::testing::rank;
 using fsdp::testing::world;
 using fsdp::testing::world_size;
-
-std::shared_ptr<fsdp::comm::Communicator> fresh_comm() {
-  return std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU);
-}
 
 EmbedMlp make_model() {
   torch::manual_seed(99);

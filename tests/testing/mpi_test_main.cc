@@ -65,6 +65,9 @@ class RankFailureListener : public Catch::TestEventListenerBase {
 }  // namespace
 
 comm::Communicator& world() { return *g_world; }
+std::shared_ptr<comm::Communicator> fresh_comm() {
+  return std::make_shared<comm::Communicator>(g_world->backend(), at::kCPU);
+}
 int rank() { return g_world->rank(); }
 int world_size() { return g_world->size(); }
 

@@ -17,6 +17,7 @@
 // Build with fsdp_mpi_test (tests/testing/testing.bzl), which launches the binary on 1, 2, 3 and 4
 // ranks.
 
+#include <memory>
 #include <string>
 
 #include "fsdp_cpp/comm/communicator.h"
@@ -29,6 +30,9 @@ namespace fsdp::testing {
 
 /// The communicator over every rank of this launch (the MPI backend) for test bodies.
 comm::Communicator& world();
+/// A new communicator over world()'s backend, with counters of its own: a test's collectives are
+/// counted apart from the harness's and from other tests'.
+std::shared_ptr<comm::Communicator> fresh_comm();
 int rank();
 int world_size();
 
