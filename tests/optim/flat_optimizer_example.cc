@@ -18,10 +18,12 @@ int main() {
 
   // torch::optim::AdamW's options, state and checkpoints; each FlatParameter's shard stepped as
   // one tensor (small ones packed together) instead of one parameter at a time.
-  fsdp::optim::AdamW optim(model->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+  auto options = torch::optim::AdamWOptions(1e-3).weight_decay(0.01);
+  fsdp::optim::AdamW optim(model->parameters(), options);
   for (int step = 0; step < 3; ++step) {
     torch::manual_seed(1000 * step + pg.comm->rank());
-    auto loss = torch::nn::functional::mse_loss(model(torch::randn({16, 64})), torch::randn({16, 8}));
+    auto x = torch::randn({16, 64}), y = torch::randn({16, 8});
+    auto loss = torch::nn::functional::mse_loss(model(x), y);
     loss.backward();
     optim.step();
     optim.zero_grad();
