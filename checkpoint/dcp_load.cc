@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <set>
 #include <utility>
@@ -13,6 +14,8 @@
 #include <ATen/ops/from_blob.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
+#include <fcntl.h>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include "dcp_support.h"  // private to //checkpoint:distributed_checkpoint
@@ -243,14 +246,22 @@ struct Read {
   int64_t length;
 };
 
+// Bytes [begin, end) of a piece's entry whose checksums a load verifies.
+struct Span {
+  const Piece* piece;
+  int64_t begin;
+  int64_t end;
+};
+
 struct Target {
   std::string key;
   LocalShard shard;
   std::vector<Read> reads;
+  std::vector<Span> spans;  // empty unless LoadOptions::verify_checksums
 };
 
 // Plans the reads that fill `target` (its whole local range), opens the files they read from,
-// and checks shape, dtype, coverage and checksums. Returns false when the key is absent (the
+// checks shape, dtype and coverage, and lists the spans whose checksums verify_spans checks. Returns false when the key is absent (the
 // caller lists every absent key: a strict load refuses them all in one message, zero-element
 // keys included, since a checkpoint of the same model holds those too).
 bool plan_target(const CheckpointIndex& index, Target& target, const LoadOptions& options, const char* api) {
@@ -291,7 +302,7 @@ bool plan_target(const CheckpointIndex& index, Target& target, const LoadOptions
   }
   for (const Read& read : target.reads) index.open_file(read.piece->file, api);
   if (options.verify_checksums()) {
-    // Once per piece, over the span of the bytes read from it.
+    // Once per piece, over the span of the bytes read from it (verified by verify_spans).
     std::map<const Piece*, std::pair<int64_t, int64_t>> spans;
     for (const Read& read : target.reads) {
       auto [span, fresh] = spans.try_emplace(read.piece, read.src, read.src + read.length);
@@ -301,11 +312,87 @@ bool plan_target(const CheckpointIndex& index, Target& target, const LoadOptions
       }
     }
     const int64_t esize = static_cast<int64_t>(c10::elementSize(key.dtype));
-    for (const auto& [piece, span] : spans) {
-      index.files[piece->file]->verify(*piece->entry, span.first * esize, span.second * esize);
-    }
+    for (const auto& [piece, span] : spans) target.spans.push_back({piece, span.first * esize, span.second * esize});
   }
   return true;
+}
+
+// [Note: verify, agree, then copy] Nothing of the model or the optimizer may change unless every
+// rank verified every byte it needs, so the verdict on the LAST block a rank needs comes before
+// the first byte written to a destination: each byte is touched twice, once to checksum it and
+// once to copy it. Keeping the verified bytes in between instead of reading them again is only
+// possible for as many bytes as are kept: with a staging buffer of S bytes and N > S bytes needed,
+// N - S bytes must be read again after the agreement whatever the staging does. On Linux the page
+// cache already is that buffer: the verification below brings every needed byte into it (one
+// disk read: posix_fadvise(WILLNEED) keeps kReadAheadBytes of reads in flight ahead of the
+// checksums, so a cold load reads the disk in large requests while the CPU checksums), and the
+// copy after the agreement is one pread per run from the page cache. A private staging copy would
+// add a memcpy per staged byte and save nothing warm (it would only spare re-reading bytes that
+// memory pressure evicted between the two passes), so there is none: the checksum pass maps one
+// checksum block at a time (storage::SafetensorsFile::verify; resident set + one block, 4 MiB by
+// default), and LoadOptions::max_staging_bytes bounds only the buffer of the copies that cannot
+// go straight into the destination (dtype conversions, non-CPU or non-contiguous tensors). What
+// makes the checksum pass cheap is a CRC-32C at about 3x the speed of the copy ([Note: three CRC
+// streams] in storage/crc32c.cc): the pass costs about a third of the copy's time from the page
+// cache. The guarantee holds against damage at rest, not against a file rewritten between the
+// two passes (the copy reads the file again; so did every load before this one).
+constexpr int64_t kReadAheadBytes = int64_t{32} << 20;
+
+// Verifies the checksums of every span, in file order per file, with read-ahead (see above). A
+// mismatch is a c10::Error naming the file, the key and the block.
+void verify_spans(const CheckpointIndex& index, const std::vector<Target>& targets) {
+  std::vector<const Span*> spans;
+  for (const Target& target : targets) {
+    for (const Span& span : target.spans) spans.push_back(&span);
+  }
+  const auto file_offset = [&](const Span& s) {
+    return index.files[s.piece->file]->header().data_start + s.piece->entry->data_begin + s.begin;
+  };
+  std::sort(spans.begin(), spans.end(), [&](const Span* a, const Span* b) {
+    if (a->piece->file != b->piece->file) return a->piece->file < b->piece->file;
+    return file_offset(*a) < file_offset(*b);
+  });
+  // Read-ahead: `advised` spans (and `advised_bytes` of the next one) are advised; the reads of
+  // the next kReadAheadBytes past what is being verified are kept advised. One descriptor per
+  // file, only for the advice (a failed open or advice just goes without).
+  std::map<int, int> fds;
+  const auto fd_of = [&](int file) {
+    auto [it, fresh] = fds.try_emplace(file, -1);
+    if (fresh) it->second = ::open(path_of(index, file).c_str(), O_RDONLY | O_CLOEXEC);
+    return it->second;
+  };
+  size_t advised = 0;
+  int64_t advised_bytes = 0;   // of spans[advised]
+  int64_t ahead = 0;           // bytes advised past the span being verified
+  const auto advise = [&] {
+    while (advised < spans.size() && ahead < kReadAheadBytes) {
+      const Span& s = *spans[advised];
+      const int64_t length = std::min(s.end - s.begin - advised_bytes, kReadAheadBytes - ahead);
+      const int fd = fd_of(s.piece->file);
+      if (fd >= 0 && length > 0) ::posix_fadvise(fd, file_offset(s) + advised_bytes, length, POSIX_FADV_WILLNEED);
+      ahead += length;
+      advised_bytes += length;
+      if (advised_bytes == s.end - s.begin) {
+        ++advised;
+        advised_bytes = 0;
+      }
+    }
+  };
+  try {
+    for (const Span* span : spans) {
+      advise();
+      index.files[span->piece->file]->verify(*span->piece->entry, span->begin, span->end);
+      ahead -= span->end - span->begin;
+    }
+  } catch (...) {
+    for (const auto& [file, fd] : fds) {
+      if (fd >= 0) ::close(fd);
+    }
+    throw;
+  }
+  for (const auto& [file, fd] : fds) {
+    if (fd >= 0) ::close(fd);
+  }
 }
 
 // Copies the planned reads into the local tensors: straight into contiguous CPU destinations of the
@@ -417,6 +504,7 @@ int64_t load_request(const char* api, const std::string& dir, const LoadRequest&
       }
       add(wanted);
     }
+    verify_spans(*index, targets);  // last: every other check is cheaper
   } catch (const std::exception& e) {
     error = error_text(e);
   }

@@ -104,7 +104,10 @@ struct LoadOptions {
   /// Verify the CRC-32C checksums of every block read (files without checksums are not verified).
   TORCH_ARG(bool, verify_checksums) = true;
   /// The most bytes of the buffer that stages reads which cannot go straight into the
-  /// destination (non-CPU tensors, dtype conversions). Must be positive.
+  /// destination (non-CPU tensors, dtype conversions; at least one element per copy). Must be
+  /// positive. The checksum pass stages nothing: it verifies from the page cache, one checksum
+  /// block mapped at a time, and the copies after every rank agreed read the file again
+  /// ([Note: verify, agree, then copy] in checkpoint/dcp_load.cc).
   TORCH_ARG(int64_t, max_staging_bytes) = int64_t{16} << 20;
 
  public:

@@ -10,6 +10,9 @@
 #   tools/checkpoint_benchmark.sh [--size-mb 300] [--dir DIR] [--repeats 3] [--out FILE]
 #
 # DIR (default: a fresh folder under /var/tmp, on the disk rather than a tmpfs) is removed after.
+# The 1-minute load average is recorded before and after each group of measurements; the report
+# marks a group during which it was above 2.5 (the benchmark runs at most 2 busy processes, so
+# more means other work shared the CPUs and the figures are lower than the machine's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 size_mb=300; dir=""; repeats=3; out=""
@@ -19,7 +22,7 @@ while [ $# -gt 0 ]; do
     --dir) dir="$2"; shift 2 ;;
     --repeats) repeats="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "checkpoint_benchmark.sh: unknown argument '$1'" >&2; exit 2 ;;
   esac
 done
@@ -43,7 +46,10 @@ bin="$(bazel info -c opt --symlink_prefix=/ bazel-bin 2>/dev/null)/tools/bench/c
 drop_caches() { sync; { echo 3 > /proc/sys/vm/drop_caches; } 2>/dev/null; }
 # dd's last line: "... bytes ... copied, S s, R GB/s"; prints GB/s (decimal) from bytes / seconds.
 dd_rate() { awk '/copied/ { for (i = 1; i <= NF; ++i) if ($i == "bytes") b = $(i-1); s = $(NF-3); gsub(",", "", s); printf "%.3f", b / s / 1e9 }'; }
+loadavg() { cut -d' ' -f1 /proc/loadavg; }
+# "load <group> before=<1-min load average> after=<...>" (checkpoint_report.py marks loaded groups).
 count=$((size_mb / 4))
+before=$(loadavg)
 for r in $(seq "$repeats"); do
   w=$(dd if=/dev/zero of="$dir/dd.bin" bs=4M count="$count" conv=fdatasync 2>&1 | dd_rate)
   echo "disk write(dd,fdatasync) GB/s=$w" | tee -a "$results"
@@ -55,17 +61,22 @@ for r in $(seq "$repeats"); do
   echo "disk read(dd, page cache warm) GB/s=$rw" | tee -a "$results"
 done
 rm -f "$dir/dd.bin"
+echo "load disk before=$before after=$(loadavg)" | tee -a "$results"
 
 for n in 1 2; do
   log "fsdp::dcp on $n rank(s)"
+  before=$(loadavg)
   TMPDIR="$work" mpirun --oversubscribe --bind-to none -np "$n" -x OMP_NUM_THREADS -x MKL_NUM_THREADS \
     "$bin" --dir "$dir/fsdp_w$n" --size-mb "$size_mb" --repeats "$repeats" | tee -a "$results"
+  echo "load fsdp_dcp W=$n before=$before after=$(loadavg)" | tee -a "$results"
   rm -rf "$dir/fsdp_w$n"
 done
 for n in 1 2; do
   log "Python DCP on $n process(es)"
+  before=$(loadavg)
   "$FSDP_BENCH_PYTHON" tools/bench/python_dcp_bench.py --size-mb "$size_mb" --dir "$dir/py_w$n" --world-size "$n" \
     --repeats "$repeats" | tee -a "$results"
+  echo "load python_dcp W=$n before=$before after=$(loadavg)" | tee -a "$results"
   rm -rf "$dir/py_w$n"
 done
 "$FSDP_BENCH_PYTHON" tools/bench/checkpoint_report.py "$results" | tee "${out:-/dev/null}"

@@ -1,5 +1,6 @@
 // CRC-32C against its definition (a bit-by-bit loop) and published check values, on every
 // length and alignment the word loops distinguish, and extended piece by piece.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -57,4 +58,28 @@ TEST_CASE("crc32c_extend over pieces equals the crc of the whole", "[crc32c]") {
     INFO("pieces of " << piece);
     CHECK(c == whole);
   }
+}
+
+// The long and short stretches of [Note: three CRC streams] (3 x 8 KiB and 3 x 256 bytes), their
+// joins and the single-stream tail: lengths on either side of each boundary, at odd alignments.
+TEST_CASE("crc32c over three streams equals the definition on long inputs", "[crc32c]") {
+  std::mt19937 gen(13);
+  std::vector<unsigned char> data(3 * 8192 * 2 + 3 * 256 * 3 + 64);
+  for (auto& b : data) b = static_cast<unsigned char>(gen());
+  for (size_t base : {size_t{767}, size_t{768}, size_t{3 * 8192}, size_t{2 * 3 * 8192}, size_t{3 * 8192 + 3 * 256}}) {
+    for (size_t delta : {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{255}, size_t{257}}) {
+      for (size_t offset : {size_t{0}, size_t{3}}) {
+        const size_t n = base + delta;
+        if (offset + n > data.size()) continue;
+        INFO("offset " << offset << ", length " << n);
+        REQUIRE(fsdp::storage::crc32c(data.data() + offset, n) == bitwise(data.data() + offset, n));
+      }
+    }
+  }
+  // Extending across the stretches' boundaries.
+  uint32_t c = 0;
+  for (size_t at = 0; at < data.size(); at += 10000) {
+    c = fsdp::storage::crc32c_extend(c, data.data() + at, std::min<size_t>(10000, data.size() - at));
+  }
+  CHECK(c == bitwise(data.data(), data.size()));
 }

@@ -5,12 +5,28 @@ Each line: "<tool> <operation> [W=<n>] key=value ..." with GB/s=<x>; tools: disk
 (this project), python_dcp (torch.distributed.checkpoint: writer/reader "fs" = FileSystemWriter,
 "hf" = HuggingFaceStorageWriter). Medians over the repeats. Ratios: this project's save against the
 disk's fdatasync'd write, its loads against dd's read in the same cache state, and against Python
-DCP's same operation at the same world size (its faster writer).
+DCP's same operation at the same world size (its faster writer). Lines "load <group> [W=<n>]
+before=<x> after=<y>" give the 1-minute load average around each group; a group where it exceeded
+LOADED (the benchmark's own busy processes are at most 2) is marked in the table and listed.
 """
 import re
 import statistics
 import sys
 from collections import defaultdict
+
+LOADED = 2.5
+
+
+def load_averages(path):
+    """{(tool, W): (before, after)} from the "load ..." lines."""
+    out = {}
+    for line in open(path):
+        parts = line.split()
+        if len(parts) < 3 or parts[0] != "load" or "before=" not in line:
+            continue
+        fields = dict(p.split("=", 1) for p in parts[2:] if "=" in p)
+        out[(parts[1], fields.get("W", ""))] = (float(fields["before"]), float(fields["after"]))
+    return out
 
 
 def parse(path):
@@ -33,6 +49,8 @@ def parse(path):
 
 def main():
     rates, extra = parse(sys.argv[1])
+    loads = load_averages(sys.argv[1])
+    loaded = {k for k, v in loads.items() if max(v) > LOADED}
     disk = {op: r for (tool, op, _), r in rates.items() if tool == "disk"}
     print("disk (dd, same folder): " + ", ".join(f"{op} {r:.3f} GB/s" for op, r in sorted(disk.items())))
     print()
@@ -59,8 +77,16 @@ def main():
         vs_disk = f"{r / d:7.0%}" if d else "    n/a"
         py_s = f"{best_py:16.3f}" if best_py else f"{'n/a':>16}"
         vs_py = f"{r / best_py:9.2f}x" if best_py else f"{'n/a':>10}"
-        print(f"{op:28} {w:>2} {r:7.3f} {vs_disk:>8} {py_s} {vs_py} {peak:15.1f} {rss:14.1f} {largest:18.1f}")
+        mark = "*" if (tool, w) in loaded or ("python_dcp", w) in loaded or ("disk", "") in loaded else ""
+        print(f"{op:28} {w:>2} {r:7.3f} {vs_disk:>8} {py_s} {vs_py} {peak:15.1f} {rss:14.1f} {largest:18.1f} {mark}".rstrip())
     print()
+    if loads:
+        print("1-minute load average before/after each group: " +
+              "; ".join(f"{t}{' W=' + w if w else ''} {b:.2f}/{a:.2f}" for (t, w), (b, a) in loads.items()))
+        if loaded:
+            print(f"* measured while the load average exceeded {LOADED} (other work shared the CPUs; the "
+                  "figures understate the machine)")
+        print()
     blocking = [l for l in open(sys.argv[1]) if "save_async(blocking part)" in l]
     if blocking:
         parts = []

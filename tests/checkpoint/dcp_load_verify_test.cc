@@ -1,0 +1,219 @@
+// fsdp::dcp::load's checksum pass ([Note: verify, agree, then copy] in checkpoint/dcp_load.cc) on
+// every world size: a corrupted byte in the LAST block one rank needs (after every other block it
+// reads verified, so the rank has checked the first half of what it needs and more) fails every
+// rank with the same error naming the rank, the file and the key, and leaves every local shard of
+// the model and of the optimizer bit for bit unchanged on every rank; so does a corruption on every
+// rank at once. Staging buffers smaller than one checksum block and than one element (dtype
+// conversion, the path that stages) load the saved values, and refuse the same corruption the same
+// way. References: the source's values exported before saving, and clones of the destination's
+// local shards taken before the load.
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adamw.h>
+
+#include "fsdp_cpp/checkpoint/distributed_checkpoint.h"
+#include "fsdp_cpp/checkpoint/optimizer_state_dict.h"
+#include "fsdp_cpp/checkpoint/state_dict.h"
+#include "fsdp_cpp/storage/atomic_directory.h"
+#include "fsdp_cpp/storage/safetensors.h"
+#include "fsdp_cpp/tests/composable/parity.h"
+#include "fsdp_cpp/tests/composable/test_models.h"
+#include "fsdp_cpp/tests/testing/multi_rank.h"
+
+namespace {
+
+using Catch::Matchers::Contains;
+using fsdp::testing::MlpStack;
+using fsdp::testing::rank;
+using fsdp::testing::world;
+using fsdp::testing::world_size;
+using StateDict = torch::OrderedDict<std::string, at::Tensor>;
+using Comm = std::shared_ptr<fsdp::comm::Communicator>;
+
+Comm fresh_comm() { return std::make_shared<fsdp::comm::Communicator>(world().backend(), at::kCPU); }
+
+std::string test_dir(const std::string& name) { return fsdp::testing::shared_tmpdir() + "/dcp_verify_" + name; }
+
+MlpStack make_model(uint64_t seed) {
+  torch::manual_seed(seed);
+  return MlpStack(6, 8, 32, 3, 3);
+}
+
+// A sharded model (FULL_SHARD over the world) and an AdamW that has stepped once, so that both the
+// parameters and the optimizer state have values a load would overwrite.
+struct Setup {
+  MlpStack model;
+  std::vector<fsdp::FSDPModule> units;
+  std::unique_ptr<torch::optim::AdamW> optim;
+
+  explicit Setup(uint64_t seed, at::ScalarType dtype = at::kFloat) : model(make_model(seed)) {
+    model->to(dtype);
+    units = fsdp::testing::shard_stack(model, fsdp::FullyShardOptions().communicator(fresh_comm()));
+    optim = std::make_unique<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    auto gen = at::detail::createCPUGenerator(seed * 100 + static_cast<uint64_t>(rank()));
+    const at::Tensor x = at::randn({4, 6}, gen).to(dtype);
+    torch::nn::functional::mse_loss(model(x), at::zeros({4, 3}, x.options())).backward();
+    optim->step();
+    optim->zero_grad();
+  }
+  const fsdp::FSDPModule& root() const { return units.back(); }
+};
+
+// Clones of this rank's local shards of the model and the optimizer state, by key.
+StateDict local_values(const Setup& s) {
+  StateDict out;
+  for (const auto& [key, shard] : fsdp::sharded_state_dict(s.root())) out.insert(key, shard.local.clone());
+  for (const auto& [key, shard] : fsdp::sharded_optimizer_state_dict(s.root(), *s.optim)) {
+    out.insert(key, shard.local.clone());
+  }
+  return out;
+}
+
+void check_equal(const StateDict& got, const StateDict& want) {
+  REQUIRE(got.keys() == want.keys());
+  for (const auto& item : want) {
+    INFO(item.key());
+    CHECK(got[item.key()].scalar_type() == item.value().scalar_type());
+    CHECK(got[item.key()].equal(item.value()));
+  }
+}
+
+// The file of rank `r` that a load verifies last on that rank, and its entry with the highest data
+// offset (the last bytes rank r reads when it loads its own shards at the same world size).
+struct Victim {
+  std::string file;
+  std::string path;
+  std::string key;
+  int64_t byte = 0;  // file offset of the entry's last byte
+};
+
+Victim last_needed_byte(const std::string& dir, int r) {
+  char prefix[32];
+  std::snprintf(prefix, sizeof(prefix), "shard-%05d-model-", r + 1);  // [Note: checkpoint layout]
+  std::vector<std::string> files;
+  for (const auto& name : fsdp::storage::list_files(dir)) {
+    if (name.starts_with(prefix)) files.push_back(name);
+  }
+  REQUIRE_FALSE(files.empty());
+  std::sort(files.begin(), files.end());
+  Victim v;
+  v.file = files.back();
+  v.path = dir + "/" + v.file;
+  fsdp::storage::SafetensorsFile file(v.path);
+  const fsdp::storage::SafetensorsEntry* last = nullptr;
+  for (const auto& e : file.header().entries) {
+    if (e.nbytes() > 0 && (last == nullptr || e.data_begin > last->data_begin)) last = &e;
+  }
+  REQUIRE(last != nullptr);
+  v.key = last->key;
+  v.byte = file.header().data_start + last->data_end - 1;
+  return v;
+}
+
+void flip(const Victim& v) {
+  std::string bytes = fsdp::storage::read_file(v.path);
+  bytes[static_cast<size_t>(v.byte)] ^= 0x5a;
+  fsdp::storage::write_file(v.path, bytes);
+}
+
+// Loads `dir` into `s` expecting the corruption of `v` on rank `victim` to fail every rank with the
+// same message, and checks every local shard on this rank is unchanged.
+void expect_refused(const std::string& dir, Setup& s, const fsdp::dcp::LoadOptions& options, int victim,
+                    const Victim& v) {
+  const StateDict before = local_values(s);
+  std::string message;
+  try {
+    fsdp::dcp::load(dir, s.root(), s.optim.get(), nullptr, options);
+  } catch (const c10::Error& e) {
+    message = e.what_without_backtrace();
+  }
+  INFO(message);
+  CHECK_THAT(message, Contains("failed on rank " + std::to_string(victim) + " of " + std::to_string(world_size())) &&
+                          Contains(v.file) && Contains("'" + v.key + "'") && Contains("checksum mismatch") &&
+                          Contains("nothing was loaded"));
+  // The same message on every rank.
+  const auto all = fresh_comm()->all_gather_bytes({message.begin(), message.end()}, "messages");
+  for (const auto& m : all) CHECK(std::string(m.begin(), m.end()) == message);
+  check_equal(local_values(s), before);
+}
+
+}  // namespace
+
+FSDP_RANKS_TEST_CASE("a corruption in the last block one rank needs changes nothing on any rank", "[dcp][verify]") {
+  const std::string dir = test_dir("last_block");
+  Setup source(7);
+  fsdp::dcp::save(dir, source.root(), source.optim.get(), {},
+                  fsdp::dcp::SaveOptions().communicator(fresh_comm()).crc_block_bytes(64));
+  const StateDict saved = local_values(source);
+  const auto options = fsdp::dcp::LoadOptions().communicator(fresh_comm());
+
+  for (int victim = 0; victim < world_size(); ++victim) {
+    DYNAMIC_SECTION("corrupted on rank " << victim) {
+      Setup dest(77);
+      const Victim v = last_needed_byte(dir, victim);
+      world().barrier();
+      if (rank() == victim) flip(v);
+      world().barrier();
+      expect_refused(dir, dest, options, victim, v);
+      world().barrier();
+      if (rank() == victim) flip(v);  // restored
+      world().barrier();
+      fsdp::dcp::load(dir, dest.root(), dest.optim.get(), nullptr, options);
+      check_equal(local_values(dest), saved);
+    }
+  }
+  SECTION("corrupted on every rank: the lowest rank's error") {
+    Setup dest(78);
+    std::vector<Victim> victims;
+    for (int r = 0; r < world_size(); ++r) victims.push_back(last_needed_byte(dir, r));
+    world().barrier();
+    flip(victims[static_cast<size_t>(rank())]);
+    world().barrier();
+    expect_refused(dir, dest, options, 0, victims[0]);
+    world().barrier();
+    flip(victims[static_cast<size_t>(rank())]);
+    world().barrier();
+  }
+}
+
+FSDP_RANKS_TEST_CASE("staging smaller than one checksum block, and than one element", "[dcp][verify]") {
+  const std::string dir = test_dir("small_staging");
+  Setup source(9);
+  fsdp::dcp::save(dir, source.root(), source.optim.get(), {},
+                  fsdp::dcp::SaveOptions().communicator(fresh_comm()).crc_block_bytes(64));
+  // The saved float32 values, converted to float64 (the destination's dtype).
+  StateDict saved;
+  for (const auto& item : local_values(source)) {
+    saved.insert(item.key(), item.value().is_floating_point() ? item.value().to(at::kDouble) : item.value());
+  }
+  const auto options = fsdp::dcp::LoadOptions().communicator(fresh_comm()).convert_dtype(true);
+  // 12 bytes: 3 floats per staged copy, under the 64-byte checksum block; 1 byte: under one element
+  // (a staged copy is at least one element).
+  for (const int64_t staging : {int64_t{12}, int64_t{1}}) {
+    DYNAMIC_SECTION("max_staging_bytes " << staging) {
+      Setup dest(99, at::kDouble);
+      const auto small = fsdp::dcp::LoadOptions(options).max_staging_bytes(staging);
+      const int victim = world_size() - 1;
+      const Victim v = last_needed_byte(dir, victim);
+      world().barrier();
+      if (rank() == victim) flip(v);
+      world().barrier();
+      expect_refused(dir, dest, small, victim, v);
+      world().barrier();
+      if (rank() == victim) flip(v);
+      world().barrier();
+      fsdp::dcp::load(dir, dest.root(), dest.optim.get(), nullptr, small);
+      StateDict got = local_values(dest);
+      REQUIRE(got.keys() == saved.keys());
+      for (const auto& item : saved) {
+        INFO(item.key());
+        CHECK(got[item.key()].equal(item.value().to(got[item.key()].scalar_type())));
+      }
+    }
+  }
+}
