@@ -6,6 +6,9 @@ usage: check_readme_snippets.py [REPO_ROOT]
   byte (tools/consumer_check.sh then builds and runs it, so the README's example builds as written).
 - The first ```cpp block under "## Optimizers on flat shards" must be
   tests/optim/flat_optimizer_example.cc, byte for byte (built by //tests/optim:flat_optimizer_example).
+- The first ```cpp block under "## Quantized communication" must be
+  tests/composable/quantized_comm_example.cc, byte for byte (built by
+  //tests/composable:quantized_comm_example).
 - Under "## Using the library from another Bazel workspace": the ```python block with `cc_binary(`
   must appear verbatim in examples/consumer/BUILD.bazel; the lines of the WORKSPACE block that load
   and call fsdp_dependencies must appear in examples/consumer/WORKSPACE; the ```text block of
@@ -56,6 +59,7 @@ def main():
 
     first_cpp_block_is("## Using fully_shard", "examples/consumer/train.cc")
     first_cpp_block_is("## Optimizers on flat shards", "tests/optim/flat_optimizer_example.cc")
+    first_cpp_block_is("## Quantized communication", "tests/composable/quantized_comm_example.cc")
 
     consumer = section(readme, "## Using the library from another Bazel workspace")
     build = read("examples/consumer/BUILD.bazel")
