@@ -32,6 +32,8 @@ const char* to_string(CollectiveKind kind) {
     case CollectiveKind::kAllGatherBytes: return "all_gather_bytes";
     case CollectiveKind::kBarrier: return "barrier";
     case CollectiveKind::kAllToAll: return "all_to_all_single";
+    case CollectiveKind::kSend: return "send";
+    case CollectiveKind::kRecv: return "recv";
   }
   return "?";
 }
@@ -66,6 +68,7 @@ PendingCollective Communicator::record_issue(c10::intrusive_ptr<c10d::Work> work
   s.calls += 1;
   s.bytes += bytes;
   const uint64_t id = ++next_id_;
+  if (kind != CollectiveKind::kSend && kind != CollectiveKind::kRecv) ++collectives_;
   if (trace_enabled_) trace_.push_back({TraceEvent::Phase::kIssued, kind, id, bytes, tag});
   return PendingCollective(this, std::move(work), kind, id, bytes, std::move(tag));
 }
@@ -165,7 +168,34 @@ void Communicator::barrier() {
 
 uint64_t Communicator::sequence_number() const {
   std::lock_guard<std::mutex> guard(mutex_);
-  return next_id_;
+  return collectives_;
+}
+
+void Communicator::check_peer(int peer, int tag, const char* op) const {
+  TORCH_CHECK(tag >= 0, "fsdp comm ", op, ": the tag must be non-negative, got ", tag);
+  TORCH_CHECK(peer >= 0 && peer < size_, "fsdp comm ", op, ": rank ", peer, " is outside this group of ",
+              size_, " ranks; ", op == std::string("send") ? "dst" : "src",
+              " is a rank of the group (0 .. ", size_ - 1, "), not a world rank (a DeviceMesh group "
+              "ranks its members by their coordinate)");
+  TORCH_CHECK(peer != rank_, "fsdp comm ", op, ": rank ", rank_, " cannot ",
+              op == std::string("send") ? "send to" : "receive from", " itself (nothing would ever match "
+              "it; copy the tensor instead)");
+}
+
+PendingCollective Communicator::send(at::Tensor tensor, int dst, int tag, std::string label) {
+  check_peer(dst, tag, "send");
+  IssuingApi api(label.empty() ? std::string() : "send labelled '" + label + "'");
+  std::vector<at::Tensor> tensors{tensor};
+  auto work = backend_->send(tensors, dst, tag);
+  return record_issue(std::move(work), CollectiveKind::kSend, nbytes(tensor), std::move(label));
+}
+
+PendingCollective Communicator::recv(at::Tensor tensor, int src, int tag, std::string label) {
+  check_peer(src, tag, "recv");
+  IssuingApi api(label.empty() ? std::string() : "recv labelled '" + label + "'");
+  std::vector<at::Tensor> tensors{tensor};
+  auto work = backend_->recv(tensors, src, tag);
+  return record_issue(std::move(work), CollectiveKind::kRecv, nbytes(tensor), std::move(label));
 }
 
 CollectiveStats Communicator::stats(CollectiveKind kind) const {

@@ -7,6 +7,7 @@
 // Bytes counted per call are the collective's full payload on one rank: the output of an all-gather,
 // the input of a reduce-scatter or all-to-all, the tensor of an all-reduce or broadcast. The bytes a
 // rank actually sends for an all-gather, reduce-scatter or all-to-all are that times (W-1)/W.
+// Point-to-point sends and recvs count their tensor's bytes.
 
 #include <array>
 #include <cstdint>
@@ -27,8 +28,10 @@ enum class CollectiveKind : int {
   kAllGatherBytes,     // all-gather of variable-size byte buffers (metadata, consistency checks)
   kBarrier,
   kAllToAll,           // all_to_all_single: equal splits, chunk j of the input goes to rank j
+  kSend,               // point-to-point send (the tensor's bytes)
+  kRecv,               // point-to-point recv (the tensor's bytes)
 };
-constexpr int kNumCollectiveKinds = 8;
+constexpr int kNumCollectiveKinds = 10;
 
 const char* to_string(CollectiveKind kind);
 
@@ -49,8 +52,8 @@ struct TraceEvent {
 
 class Communicator;
 
-/// A collective in flight. `wait()` blocks until it completed (rethrowing its error) and records the
-/// completion in the trace. Waiting twice is allowed.
+/// A collective (or a point-to-point send or recv) in flight. `wait()` blocks until it completed
+/// (rethrowing its error) and records the completion in the trace. Waiting twice is allowed.
 class PendingCollective {
  public:
   PendingCollective() = default;
@@ -110,8 +113,25 @@ class Communicator {
                                                      std::string tag = {});
   void barrier();
 
+  /// Point-to-point: sends `tensor` (contiguous, any dtype) to rank `dst` of this group (a group
+  /// rank, not a world rank) with `tag`; `label` names the transfer in traces and error reports.
+  /// The receiver's matching `recv` gets the sends of this rank with that tag in issue order. On
+  /// MPI the send completes once `dst` received it, and a recv whose tensor differs in dtype or
+  /// element count fails on both ranks naming both sides ([Note: MPI point-to-point]); a peer that
+  /// never answers ends with the collective timeout's report naming the peer and the tag. Sending
+  /// to oneself, or to a rank outside the group, is a c10::Error before anything is issued.
+  ///
+  ///   at::Tensor act = at::ones({4, 8});
+  ///   if (comm.rank() == 0) comm.send(act, /*dst=*/1, /*tag=*/0, "activations").wait();
+  ///   if (comm.rank() == 1) comm.recv(act, /*src=*/0, /*tag=*/0, "activations").wait();
+  ///   comm.stats(fsdp::comm::CollectiveKind::kSend);   // {calls, bytes} (rank 0: {1, 128})
+  PendingCollective send(at::Tensor tensor, int dst, int tag = 0, std::string label = {});
+  /// Receives into `tensor` the next send of rank `src` of this group to this rank with `tag`.
+  PendingCollective recv(at::Tensor tensor, int src, int tag = 0, std::string label = {});
+
   /// The issue number of the last collective recorded (0 before the first): equal on every rank
   /// while they issue the same collectives. The divergence check (fsdp/divergence.h) compares it.
+  /// Point-to-point operations do not count (ranks of a pipeline issue different ones).
   uint64_t sequence_number() const;
 
   CollectiveStats stats(CollectiveKind kind) const;
@@ -126,6 +146,8 @@ class Communicator {
   PendingCollective record_issue(c10::intrusive_ptr<c10d::Work> work, CollectiveKind kind,
                                  int64_t bytes, std::string tag);
   void record_completion(const PendingCollective& pending);
+  // Refuses a peer outside the group, or this rank itself, before anything is issued.
+  void check_peer(int peer, int tag, const char* op) const;
 
   c10::intrusive_ptr<c10d::Backend> backend_;
   at::Device device_;
@@ -133,7 +155,8 @@ class Communicator {
   int size_;
   mutable std::mutex mutex_;
   std::array<CollectiveStats, kNumCollectiveKinds> stats_{};
-  uint64_t next_id_ = 0;
+  uint64_t next_id_ = 0;       // trace ids: every operation
+  uint64_t collectives_ = 0;   // sequence_number(): collectives only
   bool trace_enabled_ = false;
   std::vector<TraceEvent> trace_;
 };

@@ -13,63 +13,15 @@
 #include "fsdp_cpp/comm/mpi_progress.h"
 #include "fsdp_cpp/comm/mpi_runtime.h"
 #include "fsdp_cpp/comm/mpi_types.h"
+#include "fsdp_cpp/comm/mpi_work.h"
 
 namespace fsdp::comm {
 namespace {
 
+using mpi::check_cpu_contiguous;
+using mpi::describe;
+using mpi::MpiWork;
 using mpi::Reduction;
-
-// A Work whose completion the progress engine reports; its future carries the output tensors.
-class MpiWork final : public c10d::Work {
- public:
-  MpiWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
-      : c10d::Work(rank, type),
-        outputs_(std::move(outputs)),
-        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors())) {}
-
-  // Set once, by enqueue, before the Work is handed to the caller.
-  void set_submitted(std::shared_ptr<mpi::Submitted> submitted) { submitted_ = std::move(submitted); }
-
-  // Without a time limit, waits through the progress engine, which lets this thread drive the
-  // collective when it is the only one outstanding and the backend's wait_drives_progress was on
-  // at issue, and always inside a completion callback (this thread may be the only poller;
-  // [Note: MPI progress]); then the base class rethrows the collective's error. With a time limit
-  // (c10d's own timeout semantics), sleeps until the progress thread completed it.
-  bool wait(std::chrono::milliseconds timeout) override {
-    if (submitted_ && timeout == kNoTimeout && !isCompleted()) mpi::wait(submitted_);
-    return c10d::Work::wait(timeout);
-  }
-
-  void complete(std::exception_ptr error) {
-    // The future first: once wait() returns, the future is complete too.
-    if (error) {
-      future_->setError(error);
-    } else {
-      future_->markCompleted(c10::IValue(outputs_));
-    }
-    finish(error);
-  }
-
-  std::vector<at::Tensor> result() override { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-
- private:
-  std::vector<at::Tensor> outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-  std::shared_ptr<mpi::Submitted> submitted_;
-};
-
-std::string describe(const at::Tensor& t) {
-  return fmt::format("{} elements of {}", t.numel(), c10::toString(t.scalar_type()));
-}
-
-void check_cpu_contiguous(const at::Tensor& t, const char* collective, const char* role) {
-  TORCH_CHECK(t.defined(), "MPI backend ", collective, ": the ", role, " tensor is undefined");
-  TORCH_CHECK(t.device().is_cpu(), "MPI backend ", collective, ": the ", role,
-              " tensor must be on the CPU (CUDA tensors use the NCCL backend), got ", t.device());
-  TORCH_CHECK(t.is_contiguous(), "MPI backend ", collective, ": the ", role,
-              " tensor must be contiguous, got sizes ", t.sizes(), " with strides ", t.strides());
-}
 
 void check_single(const std::vector<at::Tensor>& tensors, const char* collective) {
   TORCH_CHECK(tensors.size() == 1, "MPI backend ", collective,
@@ -288,18 +240,23 @@ MpiBackend::MpiBackend(MPI_Comm comm, int rank, int size, Options options)
       wait_drives_progress_(options_.wait_drives_progress) {
   // Collective over the group, like the construction itself (create_world, split).
   std::lock_guard<std::mutex> guard(mpi::mpi_lock());
-  for (MPI_Comm* extra : {&check_comm_, &split_comm_}) {
+  for (MPI_Comm* extra : {&check_comm_, &split_comm_, &envelope_comm_, &payload_comm_, &ack_comm_}) {
     const int rc = MPI_Comm_dup(comm_, extra);
     TORCH_CHECK(rc == MPI_SUCCESS, "MPI backend: duplicating the communicator of group '", options_.name,
                 "' failed: ", mpi::error_string(rc));
     MPI_Comm_set_errhandler(*extra, MPI_ERRORS_RETURN);
+  }
+  int* tag_ub = nullptr;
+  int found = 0;
+  if (MPI_Comm_get_attr(comm_, MPI_TAG_UB, &tag_ub, &found) == MPI_SUCCESS && found && tag_ub != nullptr) {
+    tag_ub_ = *tag_ub;
   }
 }
 
 MpiBackend::~MpiBackend() {
   if (!mpi::finalized()) {
     std::lock_guard<std::mutex> guard(mpi::mpi_lock());
-    for (MPI_Comm* c : {&comm_, &check_comm_, &split_comm_}) {
+    for (MPI_Comm* c : {&comm_, &check_comm_, &split_comm_, &envelope_comm_, &payload_comm_, &ack_comm_}) {
       if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
     }
   }

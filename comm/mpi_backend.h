@@ -19,6 +19,13 @@
 // collectives nobody waits for, so communication overlaps compute as before
 // (`wait_drives_progress`, [Note: MPI progress] in comm/mpi_progress.h).
 //
+// Point-to-point: send, recv and recvAnysource (tagged, asynchronous, any dtype, contiguous CPU
+// tensors; [Note: MPI point-to-point] in comm/mpi_point_to_point.cc). Unlike collectives they need
+// no agreement of the whole group: a recv matches the sends of its peer with its tag in issue order.
+// A send completes once the receiver has checked it (so `wait()` on a send before the peer issued
+// its recv waits for that recv, as with NCCL); a send and its recv whose tensors differ in dtype or
+// element count both fail, naming both sides, and the receiver's tensor is left untouched.
+//
 // Supported: broadcast, allreduce (SUM, AVG = SUM then divide, MAX, MIN, PRODUCT), allgather of a
 // list, allgather into one tensor, reduce-scatter from one tensor, all-to-all with equal splits
 // (alltoall_base without split sizes), barrier; dtypes float32, float64,
@@ -120,7 +127,28 @@ class MpiBackend final : public c10d::Backend {
                                                const c10d::AllToAllOptions& opts = {}) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = {}) override;
 
+  /// Sends the one tensor in `tensors` to `dstRank` (a rank of this group, not this rank) with `tag`
+  /// (0 .. MPI_TAG_UB, at least 32767). The Work completes once `dstRank` received it, or fails when
+  /// the receiver's tensor differs in dtype or element count.
+  ///
+  ///   std::vector<at::Tensor> t{at::arange(4.0)};
+  ///   if (backend->getRank() == 0) backend->send(t, /*dstRank=*/1, /*tag=*/7)->wait();
+  ///   if (backend->getRank() == 1) backend->recv(t, /*srcRank=*/0, /*tag=*/7)->wait();
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  /// Receives into the one tensor in `tensors` the next send of `srcRank` to this rank with `tag`.
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  /// As recv, from whichever rank's send with `tag` arrives first; the Work's sourceRank() names it
+  /// once `wait()` returned.
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+
  private:
+  // recv and recvAnysource (`src` -1).
+  c10::intrusive_ptr<c10d::Work> receive(std::vector<at::Tensor>& tensors, int src, int tag,
+                                         const char* name);
+  // The checks every send and recv makes before anything is issued.
+  void check_point_to_point(const std::vector<at::Tensor>& tensors, int peer, int tag,
+                            const char* name) const;
+
   // What the size check compares across ranks (besides the kind).
   struct Shape {
     at::ScalarType dtype;
@@ -140,6 +168,14 @@ class MpiBackend final : public c10d::Backend {
   MPI_Comm comm_;
   MPI_Comm check_comm_ = MPI_COMM_NULL;  // the size checks ([Note: MPI size check])
   MPI_Comm split_comm_ = MPI_COMM_NULL;  // split() (blocking, in program order)
+  // Point-to-point ([Note: MPI point-to-point]): envelopes (matched by the caller's tag), payloads
+  // and acknowledgements (matched by the sender's payload tag), each on its own communicator.
+  MPI_Comm envelope_comm_ = MPI_COMM_NULL;
+  MPI_Comm payload_comm_ = MPI_COMM_NULL;
+  MPI_Comm ack_comm_ = MPI_COMM_NULL;
+  int tag_ub_ = 32767;  // MPI_TAG_UB of this MPI
+  std::atomic<uint64_t> p2p_sequence_{0};
+  std::atomic<uint64_t> next_payload_tag_{0};
   Options options_;
   std::atomic<uint64_t> sequence_{0};
   std::atomic<bool> wait_drives_progress_;

@@ -1,6 +1,7 @@
 #include "fsdp_cpp/comm/mpi_progress.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -30,7 +31,8 @@ struct Submitted {
   Stage stage = Stage::kQueued;
   bool check_done = false;  // the check's exchange completed (kChecking)
   bool check_ok = false;    // ... and every rank's description matched
-  MPI_Request request = MPI_REQUEST_NULL;
+  // The current stage's requests: the check uses the first, `start` up to all of them.
+  std::array<MPI_Request, kMaxRequestsPerStage> requests{};
   Clock::time_point submitted_at;
   Clock::time_point deadline;  // submission + timeout
   bool finished = false;       // op.finish ran
@@ -76,6 +78,7 @@ class ProgressEngine {
  public:
   Entry submit(PendingCollective op, bool wait_drives_progress) {
     auto entry = std::make_shared<Submitted>();
+    entry->requests.fill(MPI_REQUEST_NULL);
     entry->op = std::move(op);
     entry->wait_drives_progress = wait_drives_progress;
     entry->submitted_at = Clock::now();
@@ -300,7 +303,7 @@ class ProgressEngine {
       int rc = MPI_SUCCESS;
       {
         std::lock_guard<std::mutex> guard(mpi_lock());
-        rc = entry.op.check_start(&entry.request);
+        rc = entry.op.check_start(entry.requests.data());
       }
       TORCH_CHECK(rc == MPI_SUCCESS, "MPI backend ", entry.op.description,
                   ": issuing its size check failed: ", error_string(rc));
@@ -316,14 +319,14 @@ class ProgressEngine {
   void advance_checks_locked() {
     std::vector<const void*> blocked;  // communicators with an older collective not started yet
     auto is_blocked = [&](const void* key) {
-      return std::find(blocked.begin(), blocked.end(), key) != blocked.end();
+      return key != nullptr && std::find(blocked.begin(), blocked.end(), key) != blocked.end();
     };
     bool removed = false;
     for (auto& entry : in_flight_) {
       if (entry->stage != Stage::kChecking) continue;
       if (entry->check_done && !entry->check_ok) continue;  // already failed (being removed)
       if (!entry->check_done || is_blocked(entry->op.order)) {
-        blocked.push_back(entry->op.order);
+        if (entry->op.order != nullptr) blocked.push_back(entry->op.order);
         continue;
       }
       std::exception_ptr error;
@@ -331,7 +334,7 @@ class ProgressEngine {
         int rc = MPI_SUCCESS;
         {
           std::lock_guard<std::mutex> guard(mpi_lock());
-          rc = entry->op.start(&entry->request);
+          rc = entry->op.start(entry->requests.data());
         }
         TORCH_CHECK(rc == MPI_SUCCESS, "MPI backend ", entry->op.description,
                     ": issuing it failed: ", error_string(rc));
@@ -368,16 +371,16 @@ class ProgressEngine {
                              (entry->stage == Stage::kChecking && !entry->check_done);
         if (!testing) continue;
         int flag = 0;
-        MPI_Status status;
-        status.MPI_ERROR = MPI_SUCCESS;
-        const int rc = MPI_Test(&entry->request, &flag, &status);
+        // Unused entries are MPI_REQUEST_NULL, which count as complete.
+        const int rc = MPI_Testall(kMaxRequestsPerStage, entry->requests.data(), &flag,
+                                   MPI_STATUSES_IGNORE);
         if (rc != MPI_SUCCESS) {
           abort_job("collective " + entry->op.description + " failed in MPI: " + error_string(rc));
         }
         if (!flag) continue;
         if (entry->stage == Stage::kRunning) {
           entry->stage = Stage::kDone;
-          ready_.push_back({entry, status.MPI_ERROR, nullptr});
+          ready_.push_back({entry, MPI_SUCCESS, nullptr});
           completed = true;
         } else {
           entry->check_done = true;
@@ -481,6 +484,8 @@ class ProgressEngine {
   // What a collective past its deadline was waiting for (mutex_ held).
   std::string timeout_report_locked(const Submitted& e, Clock::time_point now) const {
     std::string where;
+    const bool custom_first = e.stage == Stage::kChecking && !e.check_done && !e.op.waiting_first_stage.empty();
+    const bool custom_running = e.stage == Stage::kRunning && !e.op.waiting_running.empty();
     switch (e.stage) {
       case Stage::kQueued:
         where = "it was submitted on this rank but never issued to MPI, because no thread polled";
@@ -499,6 +504,8 @@ class ProgressEngine {
         where = "it completed in MPI, but its completion never ran, because no thread was free to run it";
         break;
     }
+    if (custom_first) where = e.op.waiting_first_stage;
+    if (custom_running) where = e.op.waiting_running;
     std::string blocked;
     for (const auto& f : finishing_) {
       const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now - f.since).count();
@@ -507,11 +514,14 @@ class ProgressEngine {
                  std::to_string(ms) + " ms (a completion callback must not block on another collective "
                  "except through Work::wait(), which drives progress itself)";
     }
-    return "collective " + e.op.description + " did not complete within " +
-           std::to_string(e.op.timeout.count()) + " ms; aborting the job: " + where + blocked +
-           ". Every rank must call the same collectives in the same order: a rank that skipped this "
-           "one, or is stuck before it, causes this; rerun with FSDP_DEBUG=1 to have fully_shard "
-           "name the ranks that diverge.";
+    const std::string advice =
+        !e.op.timeout_advice.empty()
+            ? e.op.timeout_advice
+            : "Every rank must call the same collectives in the same order: a rank that skipped this "
+              "one, or is stuck before it, causes this; rerun with FSDP_DEBUG=1 to have fully_shard "
+              "name the ranks that diverge.";
+    return (e.op.timeout_advice.empty() ? "collective " : "") + e.op.description + " did not complete within " +
+           std::to_string(e.op.timeout.count()) + " ms; aborting the job: " + where + blocked + ". " + advice;
   }
 
   struct Finishing {

@@ -34,6 +34,10 @@
 //    once every rank's description matched, the collective itself, issued in submission order
 //    among the collectives of its communicator (`order`). A mismatch completes it with an error on
 //    every rank at once and the collective itself is issued on none, so the group stays usable.
+//  - Point-to-point operations ([Note: MPI point-to-point] in comm/mpi_point_to_point.cc) use the
+//    same stages without the ordering: a recv's first stage receives the sender's envelope (in
+//    place of the size check), its second receives the payload; `order` is null, so neither waits
+//    for older operations, and a stage may issue several requests (payload and acknowledgement).
 //  - Completion callbacks (`after`, `finish`, and through them the callbacks of the Work's future)
 //    run on whichever thread completed the collective: the progress thread or a driving waiter.
 //    A callback that waits for another collective through `wait()` drives progress itself on that
@@ -55,7 +59,11 @@
 
 namespace fsdp::comm::mpi {
 
-/// One collective handed to the progress engine.
+/// The most requests one stage of an operation may issue (a point-to-point send: its envelope, its
+/// payload and the receiver's acknowledgement).
+inline constexpr int kMaxRequestsPerStage = 3;
+
+/// One collective (or point-to-point operation) handed to the progress engine.
 struct PendingCollective {
   /// Names the collective for a timeout report: kind, sequence number, sizes, group, issuing API.
   std::string description;
@@ -68,9 +76,12 @@ struct PendingCollective {
   std::function<int(MPI_Request*)> check_start;
   std::function<void()> check_verify;
   /// Collectives with the same `order` (their communicator) are started (`start`) in submission
-  /// order, whatever order their checks complete in, as MPI requires.
+  /// order, whatever order their checks complete in, as MPI requires. null: started as soon as its
+  /// own first stage completed (point-to-point operations, matched by MPI tags instead).
   const void* order = nullptr;
-  /// Issues the non-blocking MPI call (runs under the MPI lock); returns an MPI error code.
+  /// Issues the non-blocking MPI call (runs under the MPI lock); returns an MPI error code. It is
+  /// given an array of kMaxRequestsPerStage requests (all MPI_REQUEST_NULL) and may issue up to
+  /// that many; the stage completes when all of them completed. Collectives issue one.
   std::function<int(MPI_Request*)> start;
   /// Runs once the request completed (outside the MPI lock); may throw.
   std::function<void()> after;
@@ -78,6 +89,13 @@ struct PendingCollective {
   /// once, on the thread that completed the collective; `start` and `after` (and what they own)
   /// are released before it runs.
   std::function<void(std::exception_ptr)> finish;
+  /// Optional wording of the timeout report for operations that are not collectives
+  /// (point-to-point): what the operation waits for while its first stage (`check_start`) is in
+  /// flight, and once `start` issued it, and the advice that ends the report. Empty: the
+  /// collectives' wording.
+  std::string waiting_first_stage;
+  std::string waiting_running;
+  std::string timeout_advice;
 };
 
 /// A submitted collective, to pass to `wait()`. Opaque.

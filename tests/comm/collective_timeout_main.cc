@@ -5,6 +5,10 @@
 //   collective_timeout_main callback   every rank: a completion callback on the progress thread
 //                                      blocks on another collective's future (not through wait()),
 //                                      so nobody polls any more; the deadline must still fire
+//   collective_timeout_main recv       rank 0 waits for a recv from rank 1 (tag 42) that rank 1,
+//                                      alive, never sends ([Note: MPI point-to-point])
+//   collective_timeout_main send       rank 0 waits for a send to rank 1 (tag 43) that rank 1 never
+//                                      receives
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -36,6 +40,21 @@ int main(int argc, char** argv) {
     });
     std::this_thread::sleep_for(std::chrono::seconds(120));
     std::fprintf(stderr, "rank %d: nothing aborted the job\n", comm.rank());
+    return 0;
+  }
+  if (mode == "recv" || mode == "send") {
+    if (comm.rank() == 0) {
+      fsdp::comm::IssuingApi api("pipeline stage 0");
+      at::Tensor t = at::ones({16});
+      if (mode == "recv") {
+        comm.recv(t, 1, 42, "activations").wait();
+      } else {
+        comm.send(t, 1, 43, "activations").wait();
+      }
+      std::fprintf(stderr, "rank 0: the %s completed although rank 1 never answered\n", mode.c_str());
+      return 0;
+    }
+    std::this_thread::sleep_for(std::chrono::seconds(120));
     return 0;
   }
   if (comm.rank() == W - 1) {

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A collective that cannot complete must make the job fail within the collective timeout (2 s here),
 # with a message naming the collective, its sequence number, sizes and the API that issued it:
-#   collective_timeout_test.sh BINARY [skip|callback]   (see collective_timeout_main.cc)
+#   collective_timeout_test.sh BINARY [skip|callback|recv|send]   (see collective_timeout_main.cc)
+# recv and send: a point-to-point operation whose peer never answers; the report names the peer and
+# the tag.
 set -u
 binary="$1"
 mode="${2:-skip}"
@@ -12,6 +14,7 @@ export TMPDIR="$work"
 failures=0
 sizes="2 3 4"
 [ "$mode" = callback ] && sizes="2 3"
+{ [ "$mode" = recv ] || [ "$mode" = send ]; } && sizes="2"
 for n in $sizes; do
   start=$(date +%s)
   timeout 100 mpirun --oversubscribe --bind-to none -np "$n" \
@@ -25,7 +28,15 @@ for n in $sizes; do
   [ $rc -eq 124 ] && problem="the job hung until the test's own 100 s guard"
   [ "$elapsed" -gt 40 ] && problem="${problem:+$problem; }it took ${elapsed} s, expected about the 2 s timeout"
   expect "did not complete within 2000 ms"
-  if [ "$mode" = callback ]; then
+  if [ "$mode" = recv ]; then
+    expect "recv #1 (16 elements of Float from rank 1, tag 42) on MPI group 'world' (rank 0 of 2)"
+    expect "issued by pipeline stage 0 > recv labelled 'activations'"
+    expect "no send to this rank with tag 42 arrived from rank 1"
+  elif [ "$mode" = send ]; then
+    expect "send #1 (16 elements of Float to rank 1, tag 43) on MPI group 'world' (rank 0 of 2)"
+    expect "issued by pipeline stage 0 > send labelled 'activations'"
+    expect "rank 1 has not received this send: it issued no recv from rank 0 with tag 43"
+  elif [ "$mode" = callback ]; then
     expect "allreduce #3 (2 elements of Float, SUM) on MPI group 'world'"
     expect "issued by a callback that blocks"
     expect "has been running the completion callback of allreduce #2"
