@@ -292,6 +292,7 @@ void check_options(const FullyShardOptions& options, const std::string& fqn) {
               ", which contradict each other (FULL_SHARD reshards after forward; SHARD_GRAD_OP and "
               "NO_SHARD do not). Give one of them: reshard_after_forward(...) alone is the shorthand "
               "for FULL_SHARD (true) or SHARD_GRAD_OP (false)");
+  check_codecs_fit_strategy(options, fqn);  // before anything changes ([Note: all-or-nothing])
 }
 
 // The options, whole, with what they resolve to: the communicators, the shards' device and how

@@ -130,6 +130,12 @@ constexpr const char* kUsage =
                          of int8 chunks summed in float32; FullyShardOptions::reduce_codec)
   --quant-block N        elements per int8 block, one scale each (default 256)
   --quant-scales S       fp32 or bf16 scales (default fp32)
+  --reshard-after-forward K
+                         FULL_SHARD resharding after forward to groups of K consecutive ranks
+                         (ZeRO++'s hpZ: FullyShardOptions::reshard_after_forward(K)): each rank
+                         keeps 1/K of each block's parameters until its backward, which
+                         all-gathers inside the group; K must divide the ranks fully_shard shards
+                         over (the plan shows the slices and the group's all-gathers)
   --checkpoint-activations
                          activation checkpointing on every block
                          (fsdp::checkpoint_activations_tree): each block keeps only its input
@@ -167,6 +173,7 @@ struct Flags {
   bool quantize_weights = false;
   bool quantize_grads = false;
   int64_t quant_block = 256;
+  int64_t reshard_group = 0;  // --reshard-after-forward: 0 is none
   std::string quant_scales = "fp32";
   bool help = false;
 };
@@ -293,6 +300,7 @@ Flags parse_flags(int argc, char** argv) {
     else if (name == "--prompt") f.prompt = value;
     else if (name == "--temperature") f.temperature = parse_nonnegative_double(name, value);
     else if (name == "--quant-block") f.quant_block = parse_int(name, value, 1);
+    else if (name == "--reshard-after-forward") f.reshard_group = parse_int(name, value, 1);
     else if (name == "--quant-scales") {
       if (value != "fp32" && value != "bf16") {
         throw std::invalid_argument("--quant-scales expects fp32 or bf16 (got '" + value + "')");
@@ -629,6 +637,7 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
                   f.quantize_grads ? "gradient reductions " : "", ("in " + codec->name()).c_str());
     }
   }
+  if (f.reshard_group > 0) options.reshard_after_forward(static_cast<int>(f.reshard_group));  // hpZ
   std::vector<fsdp::FSDPModule> units = fsdp::fully_shard_tree(*model, blocks, options);
   if (!f.init_from.empty()) {
     const auto load_start = Clock::now();

@@ -54,10 +54,7 @@ std::vector<std::unique_ptr<FlatParamHandle>> FSDPState::make_handles(
     const std::vector<FlatParamHandle::OrigParam>& params, const FSDPConfig& config,
     const std::string& fqn) {
   // Before any FlatParameter is made. [Note: communication codecs] in fsdp/comm_codec.h.
-  const std::string codec_conflict = fsdp::codec_conflict(config.options);
-  TORCH_CHECK(codec_conflict.empty(), "fully_shard: module ", fqn, " was given ", codec_conflict,
-              ", but NO_SHARD replicates its parameters and all-reduces its gradients: there is no "
-              "all-gather or reduce-scatter to encode. Use FULL_SHARD or SHARD_GRAD_OP, or drop the codecs");
+  check_codecs_fit_strategy(config.options, fqn);  // fully_shard checked it already, before any change
   std::vector<std::pair<std::pair<c10::ScalarType, bool>, std::vector<FlatParamHandle::OrigParam>>> groups;
   for (const auto& p : params) {
     const auto key = std::make_pair(p.param.scalar_type(), p.param.requires_grad());

@@ -1,5 +1,7 @@
 #include "fsdp_cpp/fsdp/options.h"
 
+#include <c10/util/Exception.h>
+
 namespace fsdp {
 
 const char* to_string(ShardingStrategy strategy) {
@@ -45,6 +47,13 @@ std::string codec_conflict(const FullyShardOptions& options) {
     conflict += (conflict.empty() ? "" : " and ") + std::string("reduce_codec(") + options.reduce_codec()->name() + ")";
   }
   return conflict.empty() ? "" : std::string("strategy ") + to_string(options.strategy()) + " with " + conflict;
+}
+
+void check_codecs_fit_strategy(const FullyShardOptions& options, const std::string& fqn) {
+  const std::string conflict = codec_conflict(options);
+  TORCH_CHECK(conflict.empty(), "fully_shard: module ", fqn, " was given ", conflict,
+              ", but NO_SHARD replicates its parameters and all-reduces its gradients: there is no "
+              "all-gather or reduce-scatter to encode. Use FULL_SHARD or SHARD_GRAD_OP, or drop the codecs");
 }
 
 }  // namespace fsdp

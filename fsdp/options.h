@@ -208,5 +208,7 @@ std::string strategy_conflict(const FullyShardOptions& options);
 /// "strategy NO_SHARD with reduce_codec(int8_block(256, Float scales))": NO_SHARD communicates
 /// neither all-gathers nor reduce-scatters, so codecs are refused there.
 std::string codec_conflict(const FullyShardOptions& options);
+/// Refuses (a c10::Error naming the module `fqn`) the codecs codec_conflict finds.
+void check_codecs_fit_strategy(const FullyShardOptions& options, const std::string& fqn);
 
 }  // namespace fsdp
