@@ -9,6 +9,8 @@ usage: check_readme_snippets.py [REPO_ROOT]
 - The first ```cpp block under "## Quantized communication" must be
   tests/composable/quantized_comm_example.cc, byte for byte (built by
   //tests/composable:quantized_comm_example).
+- The first ```cpp block under "### Point-to-point (`send`, `recv`)" must be
+  tests/comm/point_to_point_example.cc, byte for byte (built by //tests/comm:point_to_point_example).
 - Under "## Using the library from another Bazel workspace": the ```python block with `cc_binary(`
   must appear verbatim in examples/consumer/BUILD.bazel; the lines of the WORKSPACE block that load
   and call fsdp_dependencies must appear in examples/consumer/WORKSPACE; the ```text block of
@@ -58,6 +60,7 @@ def main():
                    f"README.md ({heading[3:]})")
 
     first_cpp_block_is("## Using fully_shard", "examples/consumer/train.cc")
+    first_cpp_block_is("### Point-to-point (`send`, `recv`)", "tests/comm/point_to_point_example.cc")
     first_cpp_block_is("## Optimizers on flat shards", "tests/optim/flat_optimizer_example.cc")
     first_cpp_block_is("## Quantized communication", "tests/composable/quantized_comm_example.cc")
 
