@@ -6,6 +6,7 @@
 // holder.
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -38,6 +39,15 @@ namespace fsdp::contract {
 ///
 /// Elements need not be callable (a ModuleList may hold anything); calling one that is not
 /// throws c10::Error. The list itself has no forward.
+///
+/// [Note: pruned ModuleList] keep_only(begin, end) keeps the elements named "begin" .. "end - 1"
+/// and unregisters the others, so a model cut into pieces (e.g. the stages of a pipeline) keeps
+/// every parameter's FQN: after `blocks->keep_only(3, 5)` the list holds `blocks.3` and
+/// `blocks.4` as before. Afterwards positions and names differ: size(), operator[], ptr, at,
+/// holders and iteration count POSITIONS 0 .. size() - 1 over the kept elements in order
+/// (`(*blocks)[0]` is the element named "3"), and name(i) gives the name of position i. A pruned
+/// list refuses push_back (its next name would be taken by an element that lives elsewhere);
+/// clone() keeps the names. A list that never lost an element has names equal to positions.
 class ModuleListImpl : public torch::nn::Cloneable<ModuleListImpl> {
  public:
   using Iterator = std::vector<AnyHookableModule>::const_iterator;
@@ -51,7 +61,8 @@ class ModuleListImpl : public torch::nn::Cloneable<ModuleListImpl> {
     (push_back(std::forward<Modules>(modules)), ...);
   }
 
-  /// Appends `module` under the name "<size()>".
+  /// Appends `module` under the name "<size()>". Refused (c10::Error) on a pruned list
+  /// ([Note: pruned ModuleList]).
   ///
   ///   list->push_back(Block(16));
   template <typename M>
@@ -105,7 +116,27 @@ class ModuleListImpl : public torch::nn::Cloneable<ModuleListImpl> {
     return out;
   }
 
-  /// A deep copy; hooks are not copied.
+  /// Keeps only the elements named "begin" .. "end - 1" ([Note: pruned ModuleList]) and
+  /// unregisters the others from this list; their modules are dropped from it (they live on while
+  /// something else holds them). `begin` and `end` are names, not positions (the same on a list
+  /// that never lost an element); [begin, end) must lie within the names the list holds, begin <=
+  /// end (begin == end empties the list). Keeping every element changes nothing. Fails with a
+  /// c10::Error naming the range and the names held, and changes nothing then.
+  ///
+  ///   model->blocks->keep_only(3, 5);   // blocks.3.*, blocks.4.* keep their FQNs
+  void keep_only(int64_t begin, int64_t end);
+
+  /// The name the element at position `index` is registered under (checked): std::to_string(index)
+  /// until keep_only removed an element, then first_name() + index.
+  std::string name(size_t index) const;
+
+  /// The name of the element at position 0 as a number: 0 until keep_only, then its `begin`.
+  int64_t first_name() const noexcept { return first_name_; }
+
+  /// True once keep_only removed at least one element.
+  bool is_pruned() const noexcept { return pruned_; }
+
+  /// A deep copy (names, pruned or not, included); hooks are not copied.
   std::shared_ptr<torch::nn::Module> clone(
       const std::optional<torch::Device>& device = std::nullopt) const override;
 
@@ -114,6 +145,8 @@ class ModuleListImpl : public torch::nn::Cloneable<ModuleListImpl> {
 
  private:
   std::vector<AnyHookableModule> modules_;
+  int64_t first_name_ = 0;  // the element at position i is registered as first_name_ + i
+  bool pruned_ = false;     // keep_only removed an element: push_back refused
 };
 
 /// The holder of ModuleListImpl (a list has no forward, so nothing to hook).

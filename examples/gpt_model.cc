@@ -96,6 +96,47 @@ GPTImpl::GPTImpl(GPTConfig config) : config_(std::move(config)) {
   for (int64_t i = 0; i < config_.n_layers(); ++i) blocks->push_back(Block(config_));
   ln_f = register_module("ln_f", contract::LayerNorm(torch::nn::LayerNormOptions({d})));
   init_weights();
+  if (!config_.tie_embeddings()) {
+    // Built and drawn after every other parameter's initialisation, so that the others equal
+    // those of the tied model from the same seed (the Linear's own default initialisation draws
+    // too, before its N(0, 0.02)).
+    head = register_module(
+        "head", contract::Linear(torch::nn::LinearOptions(d, config_.vocab_size()).bias(false)));
+    c10::NoGradGuard no_grad;
+    head->weight.normal_(0.0, 0.02);
+  }
+}
+
+void GPTImpl::keep_stage(pipeline::BlockRange range, bool first, bool last) {
+  const int64_t n_layers = config_.n_layers();
+  TORCH_CHECK(config_.tie_embeddings() == false || (first && last), "GPT::keep_stage: a model with "
+              "tied embeddings cannot be split into pipeline stages: its output layer is the token "
+              "embedding's weight, which would live on the first and the last stage (asked for a ",
+              (first ? "first" : (last ? "last" : "middle")), " stage holding blocks [", range.begin,
+              ", ", range.end, ")). Build the model with GPTConfig::tie_embeddings(false)");
+  TORCH_CHECK(is_first_stage() && is_last_stage() && !blocks->is_pruned(), "GPT::keep_stage: the "
+              "model is already a pipeline stage (blocks ", blocks->first_name(), " .. ",
+              blocks->first_name() + static_cast<int64_t>(blocks->size()) - 1,
+              (is_first_stage() ? ", embeddings" : ""), (is_last_stage() ? ", output layer" : ""),
+              "); call keep_stage once, on the whole model");
+  TORCH_CHECK(0 <= range.begin && range.begin <= range.end && range.end <= n_layers,
+              "GPT::keep_stage: expected a range of blocks [begin, end) within [0, ", n_layers,
+              ") (n_layers) with begin <= end, got [", range.begin, ", ", range.end, ")");
+  blocks->keep_only(range.begin, range.end);
+  if (!first) {
+    unregister_module("tok_emb");
+    unregister_module("pos_emb");
+    tok_emb = nullptr;
+    pos_emb = nullptr;
+  }
+  if (!last) {
+    unregister_module("ln_f");
+    ln_f = nullptr;
+    if (!head.is_empty()) {
+      unregister_module("head");
+      head = nullptr;
+    }
+  }
 }
 
 void GPTImpl::init_weights() {
@@ -116,17 +157,35 @@ void GPTImpl::init_weights() {
   }
 }
 
-at::Tensor GPTImpl::forward(at::Tensor tokens) {
-  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong,
-              "GPT::forward: expected int64 token ids of shape [batch, time] (got ",
-              tokens.scalar_type(), " of shape ", tokens.sizes(), ")");
-  const int64_t time = tokens.size(1);
-  TORCH_CHECK(time <= config_.context_length(), "GPT::forward: sequence of ", time,
-              " tokens is longer than the context length ", config_.context_length());
-  const at::Tensor positions = at::arange(time, tokens.options());
-  at::Tensor x =
-      at::dropout(tok_emb(tokens) + pos_emb(positions), config_.dropout(), is_training());
+at::Tensor GPTImpl::forward(at::Tensor input) {
+  at::Tensor x;
+  if (is_first_stage()) {
+    const at::Tensor& tokens = input;
+    TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong,
+                "GPT::forward: expected int64 token ids of shape [batch, time] (got ",
+                tokens.scalar_type(), " of shape ", tokens.sizes(), ")");
+    const int64_t time = tokens.size(1);
+    TORCH_CHECK(time <= config_.context_length(), "GPT::forward: sequence of ", time,
+                " tokens is longer than the context length ", config_.context_length());
+    const at::Tensor positions = at::arange(time, tokens.options());
+    x = at::dropout(tok_emb(tokens) + pos_emb(positions), config_.dropout(), is_training());
+  } else {
+    // A later pipeline stage: the previous stage's hidden states ([Note: GPT pipeline stages]).
+    // Under sequence parallelism they hold this rank's positions, so time is not checked.
+    TORCH_CHECK(input.dim() == 3 && input.is_floating_point() && input.size(2) == config_.d_model(),
+                "GPT::forward: this pipeline stage (blocks ", blocks->first_name(), " .. ",
+                blocks->first_name() + static_cast<int64_t>(blocks->size()) - 1, ", no embeddings) "
+                "expected the previous stage's hidden states, floating point of shape [batch, "
+                "time, ", config_.d_model(), "] (got ", input.scalar_type(), " of shape ",
+                input.sizes(), ")");
+    x = std::move(input);
+  }
   for (const auto& block : *blocks) x = block.forward(x);
+  if (!is_last_stage()) return x;
+  if (!head.is_empty()) {
+    if (output_layer_) return output_layer_(ln_f(x), head->weight);
+    return head(ln_f(x));
+  }
   // The output layer shares the token embedding's weight ([Note: tied embedding]).
   if (output_layer_) return output_layer_(ln_f(x), tok_emb->weight);
   return ln_f(x).matmul(tok_emb->weight.t());
@@ -138,6 +197,10 @@ at::Tensor GPTImpl::generate(at::Tensor prompt, int64_t n_new, double temperatur
               prompt.scalar_type(), " of shape ", prompt.sizes(), ")");
   TORCH_CHECK(n_new >= 0, "GPT::generate: expected n_new >= 0 (got ", n_new, ")");
   TORCH_CHECK(temperature >= 0.0, "GPT::generate: expected temperature >= 0 (got ", temperature, ")");
+  TORCH_CHECK(is_first_stage() && is_last_stage(), "GPT::generate: needs the whole model (token ids "
+              "in, logits out); this one is a pipeline stage (", (is_first_stage() ? "first" : (is_last_stage() ? "last" : "middle")),
+              ", blocks ", blocks->first_name(), " .. ",
+              blocks->first_name() + static_cast<int64_t>(blocks->size()) - 1, ")");
   c10::NoGradGuard no_grad;
   at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(seed));
   at::Tensor tokens = prompt;

@@ -21,13 +21,32 @@
 //   blocks.<i>.mlp.fc.{weight,bias}       d_model -> mlp_ratio * d_model, GELU,
 //   blocks.<i>.mlp.proj.{weight,bias}     back to d_model
 //   ln_f.{weight,bias}                final LayerNorm
+//   head.weight                       [vocab, d_model]  the output layer, only with
+//                                                       tie_embeddings(false) (no bias)
 //
 // [Note: tied embedding] The output layer has no weight of its own: GPT::forward computes the
 // logits as `ln_f(x).matmul(tok_emb->weight.t())`. The tied weight is registered once, by the
 // embedding, so it is one parameter with one FQN; the root's fully_shard unit contains the
 // embedding and runs the projection in its own forward, so the weight lives in the root's
 // FlatParameter and is unsharded whenever either use runs (the root stays unsharded from its
-// forward to the end of its backward).
+// forward to the end of its backward). With GPTConfig::tie_embeddings(false) the output layer is
+// its own Linear, `head` (what a pipeline needs: the embedding and the output layer live on
+// different stages).
+//
+// [Note: GPT pipeline stages] keep_stage(blocks, first, last) prunes a model in place to one
+// pipeline stage (pipeline/stage_split.h): the blocks outside `blocks` are removed and the others
+// keep their FQNs (contract::ModuleList::keep_only), tok_emb and pos_emb stay only on the first
+// stage, ln_f and head only on the last. Build every stage as the whole model from the same seed,
+// then prune, so each stage's parameters equal the whole model's:
+//
+//   torch::manual_seed(0);
+//   GPT stage(GPTConfig(64).n_layers(8).tie_embeddings(false));
+//   stage->keep_stage({2, 4}, /*first=*/false, /*last=*/false);   // blocks.2, blocks.3
+//
+// A stage's forward: the first takes int64 token ids [batch, time], a later one the hidden states
+// [batch, time, d_model] (float) the previous stage returned; the last returns the logits
+// [batch, time, vocab], the others the hidden states. A tied model cannot be split (its weight
+// would live on two stages): keep_stage refuses it unless the stage is both first and last.
 
 #include <cstdint>
 #include <functional>
@@ -40,6 +59,7 @@
 #include "fsdp_cpp/contract/hookable_module_holder.h"
 #include "fsdp_cpp/contract/hookable_module_list.h"
 #include "fsdp_cpp/contract/hookable_modules.h"
+#include "fsdp_cpp/pipeline/stage_split.h"
 
 namespace fsdp::examples {
 
@@ -67,6 +87,10 @@ struct GPTConfig {
   /// Dropout on the embeddings, attention weights and residual branches, in training mode only.
   /// 0 (the default) keeps a training step deterministic.
   TORCH_ARG(double, dropout) = 0.0;
+  /// True: the output layer is the token embedding's weight ([Note: tied embedding]). False: the
+  /// model has its own output layer `head` (Linear d_model -> vocab, no bias), needed to split the
+  /// model into pipeline stages ([Note: GPT pipeline stages]).
+  TORCH_ARG(bool, tie_embeddings) = true;
 };
 
 /// Multi-head causal self-attention: qkv projection, scaled_dot_product_attention with a causal
@@ -119,10 +143,31 @@ class GPTImpl : public torch::nn::Module {
  public:
   /// Builds the model and initialises it GPT-2 style from the global generator (call
   /// torch::manual_seed first for reproducible weights): weights N(0, 0.02), residual output
-  /// projections N(0, 0.02 / sqrt(2 * n_layers)), biases 0, LayerNorms (1, 0).
+  /// projections N(0, 0.02 / sqrt(2 * n_layers)), biases 0, LayerNorms (1, 0). An untied model's
+  /// `head.weight` is N(0, 0.02) too, drawn after every other parameter is initialised, so the
+  /// other parameters equal those of the tied model built from the same seed.
   explicit GPTImpl(GPTConfig config);
 
-  at::Tensor forward(at::Tensor tokens);
+  /// The whole model: token ids [batch, time] (int64) -> logits [batch, time, vocab]. A pipeline
+  /// stage ([Note: GPT pipeline stages]): token ids on the first stage, hidden states [batch,
+  /// time, d_model] on the others; logits from the last stage, hidden states from the others.
+  at::Tensor forward(at::Tensor input);
+
+  /// Prunes this model in place to one pipeline stage ([Note: GPT pipeline stages]): keeps the
+  /// blocks [blocks.begin, blocks.end) under their names, tok_emb and pos_emb only if `first`,
+  /// ln_f and head only if `last`. Call it once, on the whole model, before any parallelism is
+  /// applied (fully_shard, parallelize_gpt). Fails with a c10::Error, changing nothing, on a range
+  /// outside [0, n_layers) or reversed, on a model already pruned, and on a tied model unless the
+  /// stage is both first and last (a one-stage pipeline): use tie_embeddings(false).
+  ///
+  ///   auto ranges = fsdp::pipeline::split_blocks_evenly(config.n_layers(), n_stages);
+  ///   model->keep_stage(ranges[s], s == 0, s == n_stages - 1);
+  void keep_stage(pipeline::BlockRange blocks, bool first, bool last);
+
+  /// True when this model holds the embeddings (the first stage, or the whole model).
+  bool is_first_stage() const { return !tok_emb.is_empty(); }
+  /// True when this model holds ln_f and the output layer (the last stage, or the whole model).
+  bool is_last_stage() const { return !ln_f.is_empty(); }
 
   /// Continues `prompt` (int64 token ids [batch, time], time >= 1) by `n_new` tokens and returns
   /// prompt and continuation, [batch, time + n_new]. Each new token takes one forward over the last
@@ -144,8 +189,9 @@ class GPTImpl : public torch::nn::Module {
   const GPTConfig& config() const { return config_; }
 
   /// Replaces the output layer `hidden.matmul(weight.t())` (hidden: ln_f's output, weight: the
-  /// tied token embedding's): tensor parallelism computes vocabulary-parallel logits there
-  /// (examples/gpt_tensor_parallel.h). Empty: the plain matmul.
+  /// tied token embedding's, or head's on an untied model, whose head then is not called):
+  /// tensor parallelism computes vocabulary-parallel logits there for a tied model
+  /// (examples/gpt_tensor_parallel.h). Empty: the plain matmul (tied) or head (untied).
   using OutputLayer = std::function<at::Tensor(const at::Tensor& hidden, const at::Tensor& weight)>;
   void set_output_layer(OutputLayer layer) { output_layer_ = std::move(layer); }
 
@@ -153,6 +199,8 @@ class GPTImpl : public torch::nn::Module {
   contract::Embedding pos_emb{nullptr};
   contract::ModuleList blocks{nullptr};
   contract::LayerNorm ln_f{nullptr};
+  /// The output layer of an untied model (tie_embeddings(false)); empty on a tied model.
+  contract::Linear head{nullptr};
 
  private:
   void init_weights();

@@ -23,6 +23,12 @@
 //   blocks.*.ln1/ln2, ln_f   with SP: SequenceParallel
 //   output layer         ln_f's output (all-gathered with SP) times this rank's vocabulary rows:
 //                        logits [B, T, V/n]; gathered to [B, T, V] unless loss_parallel.
+//                        Tied: tok_emb's rows, through GPT::set_output_layer. Untied
+//                        (tie_embeddings(false)): head is ColwiseParallel (input Replicate, or
+//                        Shard(1) with SP; output Shard(-1) with loss_parallel, else Replicate).
+// A pipeline stage (GPT::keep_stage) gets the entries of the modules it holds: tok_emb and pos_emb
+// only on the first stage, ln_f and the output layer only on the last, the blocks' entries when it
+// holds blocks. With SP the hidden states a stage passes on are this rank's positions.
 // Needs n_heads, 4 * d_model and vocab_size divisible by the group size (and the sequence length
 // with SP); parallelize_module names the dimension that does not divide.
 
@@ -46,15 +52,20 @@ struct GptTensorParallel {
   TORCH_ARG(bool, loss_parallel) = false;
 };
 
-/// The plan above as data (for printing or extending).
+/// The plan above as data (for printing or extending), for the whole tied model.
 TensorParallelPlan gpt_tensor_parallel_plan(const GptTensorParallel& options);
+
+/// The plan for `model` as it is: its output layer (tied or head) and, on a pipeline stage, only
+/// the entries of the modules the stage holds.
+TensorParallelPlan gpt_tensor_parallel_plan(const GPTImpl& model, const GptTensorParallel& options);
 
 /// The next-token loss of the model's output (logits, targets) -> mean loss.
 using GptLossFunction = std::function<at::Tensor(const at::Tensor& logits, const at::Tensor& targets)>;
 
 /// Applies the plan and the tensor-parallel output layer to `model` over `group` (before
-/// fully_shard). Returns the loss to use on the model's output: next_token_loss on whole logits,
-/// or the vocabulary-parallel cross-entropy with loss_parallel.
+/// fully_shard; on a pipeline stage, after GPT::keep_stage). Returns the loss to use on the
+/// model's output (the last stage's): next_token_loss on whole logits, or the
+/// vocabulary-parallel cross-entropy with loss_parallel.
 GptLossFunction parallelize_gpt(GPT& model, const std::shared_ptr<comm::Communicator>& group,
                                 const GptTensorParallel& options = {});
 
