@@ -595,6 +595,10 @@ void FSDPModule::set_reshard_after_backward(bool reshard, bool recurse) {
   for_each_unit(recurse, [reshard](FSDPState& unit) { unit.set_reshard_after_backward(reshard); });
 }
 
+void FSDPModule::set_is_last_backward(bool last) { state_->set_is_last_backward(last); }
+
+bool FSDPModule::is_last_backward() const { return state_->is_last_backward(); }
+
 void FSDPModule::for_each_unit(bool recurse, const std::function<void(FSDPState&)>& fn) const {
   fn(*state_);
   if (!recurse) return;

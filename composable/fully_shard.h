@@ -112,6 +112,24 @@ class FSDPModule {
   void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& units);
   void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& units);
 
+  /// FSDP2's set_is_last_backward, on the root: whether the next backward pass ends the
+  /// iteration (default true). Pipeline schedules interleave microbatches (1F1B: forward 2 runs
+  /// after backward 0, before backward 1); with false, a backward pass ends without ending the
+  /// iteration, so the next forward continues it and backward passes through earlier forwards'
+  /// graphs stay valid. Set it back to true before the step's last backward (pipeline/schedule.h
+  /// does both). Every rank of the unit's group must set it alike (compared at each backward
+  /// pass). [Note: backward passes within an iteration] in fsdp/backward.cc.
+  ///
+  ///   root.set_is_last_backward(false);
+  ///   auto y0 = model(x0), y1 = model(x1);
+  ///   y0.sum().backward();
+  ///   auto y2 = model(x2);                  // continues the iteration
+  ///   y1.sum().backward();
+  ///   root.set_is_last_backward(true);
+  ///   y2.sum().backward();                  // ends it
+  void set_is_last_backward(bool last);
+  bool is_last_backward() const;
+
   /// Whether backward reshards the units (false keeps them unsharded for the next forward while
   /// gradients accumulate without sync; a backward with sync always reshards).
   void set_reshard_after_backward(bool reshard, bool recurse = true);

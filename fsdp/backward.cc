@@ -108,7 +108,19 @@ void end_of_backward(RootContext& context) {
     if (!unit->keeps_unsharded_after_backward()) context.scheduler().reshard(*unit);
     unit->set_training_state(TrainingState::kIdle);
   }
-  context.end_backward_pass();
+  // [Note: backward passes within an iteration] An iteration is the forwards since the last one
+  // ended and the backward passes through their graphs; by default the first backward pass ends
+  // it, and a graph of its forwards backpropagated after the next root forward is refused (its
+  // parameters may have been stepped since: check_current_iteration). Pipeline schedules
+  // interleave microbatches: 1F1B runs forward 2 after backward 0 and before backward 1, all
+  // within one optimizer step. With the root's is_last_backward false (FSDP2's
+  // set_is_last_backward), a backward pass ends without ending the iteration while some
+  // forward's graph is still live: the phase returns to kForward, the next root forward
+  // continues the iteration (same generation, units keep their calls), and each later backward
+  // pass reduces, finalizes and reshards as this one did. The backward with is_last_backward
+  // true ends the iteration. Every rank must set it alike (it is in the controls the ranks
+  // compare at each pass, [Note: backward reach]).
+  context.end_backward_pass(context.root()->is_last_backward() || !context.any_unit_may_get_gradients());
 }
 
 void begin_backward_pass(RootContext& context) {
@@ -167,7 +179,10 @@ void prefetch_for_backward(RootContext& context, const FSDPState& unit) {
 void check_current_iteration(const FSDPState& unit, const RootContext& context, int64_t tag) {
   TORCH_CHECK(tag_generation(tag) == context.iteration_state().generation(), "fully_shard: unit '", unit.fqn(),
               "' is in a backward through the graph of an earlier iteration (the root ran a new "
-              "forward since); run every backward through a graph before the root's next forward");
+              "forward since); run every backward through a graph before the root's next forward, or, "
+              "to interleave microbatches' forwards and backwards within one step (pipeline "
+              "schedules), call set_is_last_backward(false) on the root before each backward but "
+              "the step's last");
 }
 
 void pre_backward(FSDPState& unit, int64_t tag) {

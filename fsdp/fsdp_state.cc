@@ -162,7 +162,7 @@ std::string FSDPState::controls_string() const {
     s << "default";
   }
   s << ", requires_all_reduce " << requires_all_reduce_ << ", unshard_in_backward " << unshard_in_backward_
-    << ", reshard_after_backward " << reshard_after_backward_;
+    << ", reshard_after_backward " << reshard_after_backward_ << ", is_last_backward " << is_last_backward_;
   // The codecs decide which collectives the unit issues too ([Note: communication codecs]).
   s << ", all_gather_codec " << codec_name(config_.options.all_gather_codec()) << ", reduce_codec "
     << codec_name(config_.options.reduce_codec());

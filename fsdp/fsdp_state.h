@@ -179,6 +179,11 @@ class FSDPState final : public contract::ApiState {
   /// in backward) as one line, for the ranks to compare ([Note: backward reach]).
   std::string controls_string() const;
 
+  /// FSDP2's set_is_last_backward, read on the root: whether the next backward pass ends the
+  /// iteration ([Note: backward passes within an iteration] in fsdp/backward.cc).
+  bool is_last_backward() const { return is_last_backward_; }
+  void set_is_last_backward(bool last) { is_last_backward_ = last; }
+
   /// Whether backward reshards the unit (false keeps it unsharded for the next forward while
   /// accumulating without sync).
   bool reshard_after_backward() const { return reshard_after_backward_; }
@@ -221,6 +226,7 @@ class FSDPState final : public contract::ApiState {
   std::optional<double> gradient_divide_factor_;
   bool requires_all_reduce_ = true;
   bool reshard_after_backward_ = true;
+  bool is_last_backward_ = true;
   bool unshard_in_backward_ = true;
   bool full_params_summoned_ = false;
   UnitIteration iteration_;

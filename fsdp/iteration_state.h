@@ -68,6 +68,10 @@ class IterationState {
   /// The iteration ends (its backward pass ended, or its forward left nothing to backpropagate):
   /// its forward order becomes the previous one, phase kIdle, one more iteration counted.
   void end_iteration();
+  /// A backward pass ended but the iteration goes on (the root's is_last_backward is false and
+  /// graphs of the iteration's forwards are still live): phase kForward, so the next root forward
+  /// continues the iteration and backward passes through those graphs stay valid.
+  void end_pass_within_iteration() { phase_ = IterationPhase::kForward; }
   /// A passthrough backward pass ended (one rank: nothing is prefetched, so no order is kept):
   /// phase kIdle, one more iteration counted.
   void end_passthrough_iteration();

@@ -35,9 +35,20 @@ void RootContext::begin_backward_pass(int graph_task) {
   reductions_.begin_pass(graph_task);
 }
 
-void RootContext::end_backward_pass() {
+void RootContext::end_backward_pass(bool ends_iteration) {
   reductions_.end_pass();
-  iteration_.end_iteration();
+  if (ends_iteration) {
+    iteration_.end_iteration();
+  } else {
+    iteration_.end_pass_within_iteration();
+  }
+}
+
+bool RootContext::any_unit_may_get_gradients() const {
+  for (const FSDPState* unit : states_) {
+    if (unit->iteration().may_get_gradients()) return true;
+  }
+  return false;
 }
 
 void RootContext::discard() {

@@ -58,8 +58,12 @@ class RootContext {
   void begin_iteration();
   /// The first pre-backward of a pass, run by autograd graph task `graph_task`.
   void begin_backward_pass(int graph_task);
-  /// The end-of-backward callback reduced, finalized and resharded: the iteration ends.
-  void end_backward_pass();
+  /// The end-of-backward callback reduced, finalized and resharded: the iteration ends, or with
+  /// `ends_iteration` false it goes on ([Note: backward passes within an iteration]).
+  void end_backward_pass(bool ends_iteration = true);
+  /// Whether backward can still reach some unit of the tree (a live call whose outputs need a
+  /// gradient).
+  bool any_unit_may_get_gradients() const;
   /// A forward or backward threw (every unit already resharded and idle): nothing in flight,
   /// reduced or ordered, phase kIdle.
   void discard();

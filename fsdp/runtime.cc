@@ -20,13 +20,6 @@
 namespace fsdp::runtime {
 namespace {
 
-bool any_unit_may_get_gradients(const RootContext& context) {
-  for (const FSDPState* unit : context.states()) {
-    if (unit->iteration().may_get_gradients()) return true;
-  }
-  return false;
-}
-
 // Ends an iteration in which no backward can run: every unit resharded and idle.
 void end_iteration_without_backward(RootContext& context) {
   for (FSDPState* unit : context.states()) {
@@ -63,7 +56,7 @@ void root_pre_forward(RootContext& context) {
   if (iteration.in_root_forward() || iteration.phase() == IterationPhase::kBackward) discard_iteration(context);
   // Several forwards before one backward continue the iteration while an earlier forward's graph
   // can still be backpropagated through; otherwise a new iteration starts.
-  if (iteration.phase() != IterationPhase::kForward || !any_unit_may_get_gradients(context)) {
+  if (iteration.phase() != IterationPhase::kForward || !context.any_unit_may_get_gradients()) {
     context.begin_iteration();
     // [Note: post-forward group] Slices kept by an earlier iteration may be stale (an optimizer step).
     for (FSDPState* unit : context.states()) {
@@ -132,7 +125,7 @@ void end_passthrough_root_call(FSDPState& root, const c10::IValue& output) {
   }
   root.iteration().end_call(need_grad, nodes);
   RootContext& context = *root.root_context();
-  if (!any_unit_may_get_gradients(context)) context.iteration_state().return_to_idle();
+  if (!context.any_unit_may_get_gradients()) context.iteration_state().return_to_idle();
 }
 
 // [Note: hidden parameters] in fsdp/sharded_use_guard.h: in the root's pre-forward, after the
@@ -260,7 +253,7 @@ void post_forward(FSDPState& state, c10::IValue& output) {
   // iteration still in it and discards it (reshards the root on every rank).
   if (context.divergence().enabled()) context.check_ranks_agree(Fingerprint("finished its forward"));
   iteration.exit_root_forward();
-  if (!any_unit_may_get_gradients(context)) {
+  if (!context.any_unit_may_get_gradients()) {
     end_iteration_without_backward(context);
     return;
   }
@@ -273,7 +266,7 @@ void post_forward(FSDPState& state, c10::IValue& output) {
 bool settle_forward_phase(RootContext& context) {
   const IterationState& iteration = context.iteration_state();
   if (iteration.phase() != IterationPhase::kForward || iteration.in_root_forward()) return false;
-  if (any_unit_may_get_gradients(context)) return true;
+  if (context.any_unit_may_get_gradients()) return true;
   end_iteration_without_backward(context);
   return false;
 }

@@ -1,0 +1,381 @@
+#include "fsdp_cpp/pipeline/schedule.h"
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <set>
+#include <sstream>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+
+namespace fsdp::pipeline {
+
+namespace {
+
+constexpr int kMaxDims = 8;
+constexpr const char* kApi = "fsdp::pipeline::PipelineSchedule";
+
+// Tags of the transfers across stage boundary b (stage b -> stage b + 1).
+int forward_tag(int b) { return 3 * b; }
+int backward_tag(int b) { return 3 * b + 1; }
+int header_tag(int b) { return 3 * b + 2; }
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::string shape_string(at::IntArrayRef shape) {
+  std::ostringstream out;
+  out << shape;
+  return out.str();
+}
+
+std::vector<uint8_t> to_bytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+// What a rank knows about a step ([Note: pipeline step agreement]), one line per fact:
+//   "E <error>"                    an error in this rank's arguments
+//   "I <dtype> <d0> <d1> ..."      the input's dtype and shape (the first stage's rank)
+//   "T <batch>"                    targets were given, with this many rows (the last stage's rank)
+struct Descriptor {
+  std::vector<std::string> errors;
+  std::optional<std::vector<int64_t>> input;  // dtype, then the shape
+  std::optional<int64_t> target_rows;
+};
+
+std::string encode(const Descriptor& d) {
+  std::ostringstream out;
+  for (const auto& e : d.errors) out << "E " << e << "\n";
+  if (d.input) {
+    out << "I";
+    for (int64_t v : *d.input) out << " " << v;
+    out << "\n";
+  }
+  if (d.target_rows) out << "T " << *d.target_rows << "\n";
+  return out.str();
+}
+
+Descriptor decode(const std::vector<uint8_t>& bytes) {
+  Descriptor d;
+  std::istringstream in(std::string(bytes.begin(), bytes.end()));
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.size() < 1) continue;
+    if (line[0] == 'E') {
+      d.errors.push_back(line.substr(2));
+    } else if (line[0] == 'I') {
+      std::istringstream values(line.substr(1));
+      std::vector<int64_t> v;
+      int64_t x;
+      while (values >> x) v.push_back(x);
+      d.input = v;
+    } else if (line[0] == 'T') {
+      d.target_rows = std::stoll(line.substr(2));
+    }
+  }
+  return d;
+}
+
+using Key = std::pair<int, int>;  // (stage, microbatch)
+
+}  // namespace
+
+PipelineSchedule::PipelineSchedule(std::vector<PipelineStage*> stages, LossFn loss_fn, ScheduleOptions options)
+    : loss_fn_(std::move(loss_fn)), options_(options) {
+  TORCH_CHECK(!stages.empty(), kApi, ": expected at least one stage on this rank, got none");
+  for (PipelineStage* s : stages) TORCH_CHECK(s != nullptr, kApi, ": got a null stage");
+  group_ = stages.front()->group();
+  n_stages_ = stages.front()->num_stages();
+  const int p = group_->size();
+  for (PipelineStage* s : stages) {
+    TORCH_CHECK(s->group() == group_, kApi, ": ", s->name(), " uses another pipeline group than ",
+                stages.front()->name(), "; every stage of a schedule must use the same group");
+    TORCH_CHECK(s->num_stages() == n_stages_, kApi, ": ", s->name(), " belongs to a pipeline of ",
+                s->num_stages(), " stages, ", stages.front()->name(), " to one of ", n_stages_);
+  }
+  check_schedule(options_.kind(), p, n_stages_, options_.n_microbatches());
+  const int chunks = n_stages_ / p;
+  TORCH_CHECK(static_cast<int>(stages.size()) == chunks, kApi, ": schedule ", schedule_name(options_.kind()),
+              " with ", n_stages_, " stages on ", p, " pipeline ranks expects ", chunks,
+              " stage(s) on each rank (stages ", group_->rank(), ", ", group_->rank() + p, ", ...), got ",
+              stages.size(), " on pipeline rank ", group_->rank());
+  stages_.assign(chunks, nullptr);
+  for (PipelineStage* s : stages) {
+    const int c = s->stage_index() / p;
+    TORCH_CHECK(stages_[c] == nullptr, kApi, ": stage ", s->stage_index(), " given twice");
+    stages_[c] = s;
+  }
+  bool holds_last = stages_.back()->is_last();
+  TORCH_CHECK(!holds_last || loss_fn_, kApi, ": the last stage (", stages_.back()->name(),
+              ") needs a loss function, got an empty one");
+  order_ = schedule_order(options_.kind(), group_->rank(), p, n_stages_, options_.n_microbatches());
+  boundary_shapes_.assign(std::max(n_stages_ - 1, 0), std::nullopt);
+  boundary_dtypes_.assign(std::max(n_stages_ - 1, 0), 0);
+}
+
+// Returns the step's input descriptor (dtype, then shape) on every rank, or throws the same error
+// on every rank ([Note: pipeline step agreement]).
+std::vector<int64_t> PipelineSchedule::agree_step(const at::Tensor& inputs, const at::Tensor& targets) {
+  const int m = options_.n_microbatches();
+  const bool holds_first = stages_.front()->is_first();
+  const bool holds_last = stages_.back()->is_last();
+  Descriptor mine;
+  if (holds_first) {
+    if (!inputs.defined()) {
+      mine.errors.push_back("the first stage's rank got no inputs");
+    } else if (inputs.dim() < 1 || inputs.size(0) % m != 0 || inputs.size(0) < m) {
+      mine.errors.push_back("the first stage's inputs of shape " + shape_string(inputs.sizes()) +
+                            " cannot be split into " + std::to_string(m) +
+                            " equal microbatches along dimension 0 (expected a batch that is a positive "
+                            "multiple of the number of microbatches)");
+    } else if (inputs.dim() > kMaxDims) {
+      mine.errors.push_back("the first stage's inputs have " + std::to_string(inputs.dim()) +
+                            " dimensions, more than the " + std::to_string(kMaxDims) + " supported");
+    } else {
+      std::vector<int64_t> d{static_cast<int64_t>(inputs.scalar_type())};
+      for (int64_t s : inputs.sizes()) d.push_back(s);
+      mine.input = d;
+    }
+  }
+  if (holds_last) {
+    if (!targets.defined()) {
+      mine.errors.push_back("the last stage's rank got no targets");
+    } else if (targets.dim() < 1 || targets.size(0) % m != 0 || targets.size(0) < m) {
+      mine.errors.push_back("the last stage's targets of shape " + shape_string(targets.sizes()) +
+                            " cannot be split into " + std::to_string(m) + " equal microbatches along dimension 0");
+    } else {
+      mine.target_rows = targets.size(0);
+    }
+  }
+  for (auto& e : mine.errors) e = "pipeline rank " + std::to_string(group_->rank()) + ": " + e;
+  std::vector<Descriptor> all;
+  if (group_->size() == 1) {
+    all.push_back(mine);
+  } else {
+    for (const auto& bytes : group_->all_gather_bytes(to_bytes(encode(mine)), "pipeline step agreement")) {
+      all.push_back(decode(bytes));
+    }
+  }
+  std::vector<std::string> errors;
+  std::optional<std::vector<int64_t>> input;
+  std::optional<int64_t> target_rows;
+  for (const auto& d : all) {
+    errors.insert(errors.end(), d.errors.begin(), d.errors.end());
+    if (d.input) input = d.input;
+    if (d.target_rows) target_rows = d.target_rows;
+  }
+  if (errors.empty() && input && target_rows && (*input)[1] != *target_rows) {
+    errors.push_back("the inputs have " + std::to_string((*input)[1]) + " rows but the targets " +
+                     std::to_string(*target_rows));
+  }
+  if (!errors.empty()) {
+    std::ostringstream msg;
+    msg << kApi << "::step (" << schedule_name(options_.kind()) << ", " << m << " microbatches, " << n_stages_
+        << " stages): refused on every pipeline rank:";
+    for (const auto& e : errors) msg << " " << e << ";";
+    TORCH_CHECK(false, msg.str());
+  }
+  TORCH_CHECK(input.has_value(), kApi, "::step: no rank holds the first stage");
+  return *input;
+}
+
+at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& targets,
+                                  std::vector<at::Tensor>* losses) {
+  const auto step_start = Clock::now();
+  stats_ = StepStats{};
+  if (losses) losses->clear();
+  const int m = options_.n_microbatches();
+  const int p = group_->size();
+  const std::vector<int64_t> input_desc = agree_step(inputs, targets);
+  const bool header_step = input_desc != agreed_input_shape_;
+  if (header_step) {
+    std::fill(boundary_shapes_.begin(), boundary_shapes_.end(), std::nullopt);
+    agreed_input_shape_ = input_desc;
+  }
+
+  std::vector<at::Tensor> input_chunks, target_chunks;
+  if (stages_.front()->is_first()) input_chunks = inputs.chunk(m, 0);
+  if (stages_.back()->is_last()) target_chunks = targets.chunk(m, 0);
+  auto stage_at = [&](int s) -> PipelineStage& { return *stages_[s / p]; };
+  const double scale = options_.scale_grads() ? 1.0 / m : 1.0;
+
+  std::map<Key, at::Tensor> stage_inputs, stage_outputs, stage_losses;
+  std::map<Key, at::Tensor> local_activations, local_gradients;  // keyed by the receiving stage
+  std::vector<std::pair<comm::PendingCollective, at::Tensor>> sends;
+  std::vector<at::Tensor> outputs(stages_.back()->is_last() ? m : 0);
+  std::map<int, int64_t> live;  // microbatches held per stage
+
+  auto send = [&](at::Tensor t, int dst, int tag, const std::string& label) {
+    t = t.contiguous();
+    stats_.sends += 1;
+    stats_.send_bytes += static_cast<int64_t>(t.nbytes());
+    sends.emplace_back(group_->send(t, dst, tag, label), t);
+  };
+  auto recv = [&](at::Tensor t, int src, int tag, const std::string& label) {
+    const auto t0 = Clock::now();
+    group_->recv(t, src, tag, label).wait();
+    stats_.wait_seconds += seconds_since(t0);
+    stats_.recvs += 1;
+    stats_.recv_bytes += static_cast<int64_t>(t.nbytes());
+    return t;
+  };
+
+  // The activation stage s receives for microbatch mb (s > 0).
+  auto receive_activation = [&](int s, int mb) -> at::Tensor {
+    const int b = s - 1;
+    if (stage_at(s).rank_of(b) == group_->rank()) {
+      auto it = local_activations.find({s, mb});
+      if (it != local_activations.end()) {
+        at::Tensor t = std::move(it->second);
+        local_activations.erase(it);
+        stats_.local_transfers += 1;
+        return t;
+      }
+    }
+    const int src = stage_at(s).rank_of(b);
+    const std::string label = "activation of microbatch " + std::to_string(mb) + " from stage " +
+                              std::to_string(b) + " to stage " + std::to_string(s);
+    if (!boundary_shapes_[b]) {
+      at::Tensor header = at::empty({2 + kMaxDims}, at::TensorOptions().dtype(at::kLong).device(group_->device()));
+      recv(header, src, header_tag(b), "shape of the " + label);
+      header = header.cpu();
+      const int64_t* h = header.data_ptr<int64_t>();
+      std::vector<int64_t> shape(h + 2, h + 2 + h[1]);
+      boundary_shapes_[b] = shape;
+      boundary_dtypes_[b] = static_cast<int>(h[0]);
+    }
+    at::Tensor t = at::empty(*boundary_shapes_[b], at::TensorOptions()
+                                                      .dtype(static_cast<at::ScalarType>(boundary_dtypes_[b]))
+                                                      .device(group_->device()));
+    return recv(t, src, forward_tag(b), label);
+  };
+
+  // Stage s sends its output of microbatch mb to stage s + 1.
+  auto send_activation = [&](int s, int mb, const at::Tensor& out) {
+    const int next = s + 1;
+    if (stage_at(s).rank_of(next) == group_->rank()) {
+      local_activations[{next, mb}] = out.detach();
+      return;
+    }
+    const int b = s;
+    TORCH_CHECK(out.dim() <= kMaxDims, kApi, ": ", stage_at(s).name(), " returned an output with ", out.dim(),
+                " dimensions, more than the ", kMaxDims, " supported between stages");
+    const std::string label = "activation of microbatch " + std::to_string(mb) + " from stage " +
+                              std::to_string(s) + " to stage " + std::to_string(next);
+    if (!boundary_shapes_[b]) {
+      at::Tensor header = at::zeros({2 + kMaxDims}, at::kLong);
+      header[0] = static_cast<int64_t>(out.scalar_type());
+      header[1] = out.dim();
+      for (int64_t d = 0; d < out.dim(); ++d) header[2 + d] = out.size(d);
+      boundary_shapes_[b] = out.sizes().vec();
+      boundary_dtypes_[b] = static_cast<int>(out.scalar_type());
+      send(header.to(group_->device()), stage_at(s).rank_of(next), header_tag(b), "shape of the " + label);
+    } else {
+      TORCH_CHECK(out.sizes().vec() == *boundary_shapes_[b] &&
+                      static_cast<int>(out.scalar_type()) == boundary_dtypes_[b],
+                  kApi, ": ", stage_at(s).name(), " returned an output of shape ", shape_string(out.sizes()),
+                  " and dtype ", out.scalar_type(), " for microbatch ", mb, ", but the shape agreed with stage ",
+                  next, " for this step's input is ", shape_string(*boundary_shapes_[b]), " with dtype ",
+                  static_cast<at::ScalarType>(boundary_dtypes_[b]),
+                  " (every microbatch of a step must give the same shape)");
+    }
+    send(out.detach(), stage_at(s).rank_of(next), forward_tag(b), label);
+  };
+
+  auto run_forward = [&](int s, int mb) {
+    PipelineStage& stage = stage_at(s);
+    at::Tensor x = stage.is_first() ? input_chunks[mb] : receive_activation(s, mb);
+    if (!stage.is_first() && at::isFloatingType(x.scalar_type())) x = x.detach().requires_grad_(true);
+    const auto t0 = Clock::now();
+    at::Tensor out = stage.run_forward(x);
+    TORCH_CHECK(out.defined(), kApi, ": ", stage.name(), " returned an undefined tensor for microbatch ", mb);
+    if (stage.is_last()) {
+      at::Tensor loss = loss_fn_(out, target_chunks[mb]);
+      TORCH_CHECK(loss.defined() && loss.numel() == 1, kApi, ": the loss function on ", stage.name(),
+                  " returned ", loss.defined() ? "a tensor of shape " + shape_string(loss.sizes()) : "an undefined tensor",
+                  " for microbatch ", mb, "; expected a scalar");
+      stage_losses[{s, mb}] = loss;
+      outputs[mb] = out.detach();
+      if (losses) {
+        if (losses->size() < static_cast<size_t>(m)) losses->resize(m);
+        (*losses)[mb] = loss.detach();
+      }
+    }
+    stats_.compute_seconds += seconds_since(t0);
+    stats_.forwards += 1;
+    stage_inputs[{s, mb}] = x;
+    stage_outputs[{s, mb}] = out;
+    stats_.peak_live_microbatches = std::max(stats_.peak_live_microbatches, ++live[s]);
+    if (!stage.is_last()) send_activation(s, mb, out);
+  };
+
+  auto run_backward = [&](int s, int mb) {
+    PipelineStage& stage = stage_at(s);
+    for (FSDPModule unit : stage.fsdp_units()) {  // a handle: copies share the unit
+      unit.set_requires_gradient_sync(options_.reduce_every_microbatch() || mb == m - 1);
+      // [Note: backward passes within an iteration]: the step is one iteration of each stage.
+      unit.set_is_last_backward(mb == m - 1);
+    }
+    at::Tensor out = std::move(stage_outputs.at({s, mb}));
+    stage_outputs.erase({s, mb});
+    at::Tensor x = std::move(stage_inputs.at({s, mb}));
+    stage_inputs.erase({s, mb});
+    if (stage.is_last()) {
+      at::Tensor loss = std::move(stage_losses.at({s, mb}));
+      stage_losses.erase({s, mb});
+      const auto t0 = Clock::now();
+      if (loss.requires_grad()) torch::autograd::backward({loss * scale});
+      stats_.compute_seconds += seconds_since(t0);
+    } else {
+      const int next = s + 1;
+      at::Tensor grad;
+      if (stage.rank_of(next) == group_->rank()) {
+        grad = std::move(local_gradients.at({s, mb}));
+        local_gradients.erase({s, mb});
+        stats_.local_transfers += 1;
+      } else {
+        grad = at::empty(out.sizes(), out.options().requires_grad(false));
+        recv(grad, stage.rank_of(next), backward_tag(s),
+             "gradient of microbatch " + std::to_string(mb) + " from stage " + std::to_string(next) + " to stage " +
+                 std::to_string(s));
+      }
+      const auto t0 = Clock::now();
+      if (out.requires_grad()) torch::autograd::backward({out}, {grad});
+      stats_.compute_seconds += seconds_since(t0);
+    }
+    stats_.backwards += 1;
+    --live[s];
+    if (!stage.is_first()) {
+      at::Tensor g = x.requires_grad() && x.grad().defined() ? x.grad() : at::zeros_like(x);
+      const int prev = s - 1;
+      if (stage.rank_of(prev) == group_->rank()) {
+        local_gradients[{prev, mb}] = g;
+      } else {
+        send(g, stage.rank_of(prev), backward_tag(prev),
+             "gradient of microbatch " + std::to_string(mb) + " from stage " + std::to_string(s) + " to stage " +
+                 std::to_string(prev));
+      }
+    }
+  };
+
+  for (const Action& a : order_) {
+    if (a.type == Action::Type::kForward) {
+      run_forward(a.stage, a.microbatch);
+    } else {
+      run_backward(a.stage, a.microbatch);
+    }
+  }
+  for (auto& [work, tensor] : sends) {
+    const auto t0 = Clock::now();
+    work.wait();
+    stats_.wait_seconds += seconds_since(t0);
+  }
+  stats_.step_seconds = seconds_since(step_start);
+  if (!stages_.back()->is_last()) return {};
+  return at::cat(outputs, 0);
+}
+
+}  // namespace fsdp::pipeline
