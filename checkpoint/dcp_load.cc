@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -15,7 +17,12 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 #include <nlohmann/json.hpp>
 
 #include "dcp_support.h"  // private to //checkpoint:distributed_checkpoint
@@ -25,6 +32,7 @@
 #include "fsdp_cpp/contract/shape_text.h"
 #include "fsdp_cpp/storage/atomic_directory.h"
 #include "fsdp_cpp/storage/boxes.h"
+#include "fsdp_cpp/storage/crc32c.h"
 #include "fsdp_cpp/storage/safetensors.h"
 
 // Loading: the index of a checkpoint's files, validation on every rank, then the reads.
@@ -319,57 +327,171 @@ bool plan_target(const CheckpointIndex& index, Target& target, const LoadOptions
 
 // [Note: verify, agree, then copy] Nothing of the model or the optimizer may change unless every
 // rank verified every byte it needs, so the verdict on the LAST block a rank needs comes before
-// the first byte written to a destination: each byte is touched twice, once to checksum it and
-// once to copy it. Keeping the verified bytes in between instead of reading them again is only
-// possible for as many bytes as are kept: with a staging buffer of S bytes and N > S bytes needed,
-// N - S bytes must be read again after the agreement whatever the staging does. On Linux the page
-// cache already is that buffer: the verification below brings every needed byte into it (one
-// disk read: posix_fadvise(WILLNEED) keeps kReadAheadBytes of reads in flight ahead of the
-// checksums, so a cold load reads the disk in large requests while the CPU checksums), and the
-// copy after the agreement is one pread per run from the page cache. A private staging copy would
-// add a memcpy per staged byte and save nothing warm (it would only spare re-reading bytes that
-// memory pressure evicted between the two passes), so there is none: the checksum pass maps one
-// checksum block at a time (storage::SafetensorsFile::verify; resident set + one block, 4 MiB by
-// default), and LoadOptions::max_staging_bytes bounds only the buffer of the copies that cannot
-// go straight into the destination (dtype conversions, non-CPU or non-contiguous tensors). What
-// makes the checksum pass cheap is a CRC-32C on three streams ([Note: three CRC streams] in
-// storage/crc32c.cc, about 4x one stream): the pass, mapping included, now takes about half the
-// copy's time from the page cache, where it took as long as the copy. The guarantee holds against damage at rest, not against a file rewritten between the
-// two passes (the copy reads the file again; so did every load before this one).
+// the first byte written to a destination. Keeping the verified bytes in a private staging buffer
+// until the agreement would hold all of them (N bytes, not a bounded buffer: with S < N staged,
+// N - S bytes are read again whatever the staging does) and would add a copy per byte; the page
+// cache already holds them. So each file a rank reads is mapped once, read-only, over the bytes it
+// needs (FileMappings), and both passes go through that one mapping:
+//   - verify (before the agreement): per checksum block, in file order, posix_fadvise(WILLNEED)
+//     keeps kReadAheadBytes of reads in flight ahead (a cold load reads the disk in large requests
+//     while the CPU checksums), madvise(MADV_POPULATE_READ) maps the block's pages in one call,
+//     and CRC-32C on three streams ([Note: three CRC streams] in storage/crc32c.cc) checks it;
+//   - copy (after every rank agreed): from the same mapping, with no file read and no page-cache
+//     lookup: the page tables the verification filled are reused, and large copies use
+//     non-temporal stores (copy_streaming), which do not read the destination's cache lines
+//     before overwriting them (a pread or a memcpy below glibc's threshold does: on this project's
+//     machines the copy takes ~40% less time).
+// The bytes are thus read from the file once; the CPU reads them twice from memory, which is the
+// price of the guarantee without an N-byte buffer (measured in tools/checkpoint_benchmark.sh by
+// "load(page cache warm, no checksums)"). Memory: no allocation; the mapped pages are page-cache
+// pages that exist anyway (shared, clean, reclaimable), but the process's resident set counts the
+// mapped part of them until the load returns. LoadOptions::max_staging_bytes still bounds the one
+// buffer of the copies that cannot go straight into the destination (dtype conversions, non-CPU or
+// non-contiguous tensors). A file that cannot be mapped falls back to a verification through a
+// bounded buffer (storage::SafetensorsFile::verify) and a pread per run after the agreement; files
+// without checksums, or loads with verify_checksums(false), are read with pread as before.
+// Limits: the guarantee holds against damage at rest, not against a file rewritten during the
+// load (the copy reads the page cache again); a file that shrank after the verification is
+// refused before the copy starts (fstat), but one truncated during the copy itself ends the
+// process with SIGBUS, as reading any mapped file does.
 constexpr int64_t kReadAheadBytes = int64_t{32} << 20;
+#ifdef MADV_POPULATE_READ
+constexpr int kMadvisePopulateRead = MADV_POPULATE_READ;
+#else
+constexpr int kMadvisePopulateRead = 22;  // Linux 5.14's value; older kernels refuse it (EINVAL)
+#endif
+// Copies at least this long use non-temporal stores.
+constexpr int64_t kStreamingCopyBytes = int64_t{1} << 20;
 
-// Verifies the checksums of every span, in file order per file, with read-ahead (see above). A
-// mismatch is a c10::Error naming the file, the key and the block.
-void verify_spans(const CheckpointIndex& index, const std::vector<Target>& targets) {
+// memcpy, with non-temporal stores for large copies on x86-64 (see the note above).
+void copy_streaming(void* dst, const void* src, int64_t n) {
+#if defined(__x86_64__)
+  if (n >= kStreamingCopyBytes) {
+    auto* d = static_cast<unsigned char*>(dst);
+    const auto* s = static_cast<const unsigned char*>(src);
+    const int64_t head = static_cast<int64_t>((16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15);
+    std::memcpy(d, s, static_cast<size_t>(head));
+    d += head;
+    s += head;
+    n -= head;
+    const int64_t body = n & ~int64_t{63};
+    for (int64_t i = 0; i < body; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
+      const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
+    }
+    _mm_sfence();  // the streamed stores are ordered before anything that follows the load
+    std::memcpy(d + body, s + body, static_cast<size_t>(n - body));
+    return;
+  }
+#endif
+  std::memcpy(dst, src, static_cast<size_t>(n));
+}
+
+// One file's descriptor (for the read-ahead advice) and its read-only mapping over the bytes the
+// load verifies and copies (see the note above); `base` is null when the file is not mapped.
+struct FileMapping {
+  int fd = -1;
+  void* base = nullptr;
+  size_t length = 0;
+  int64_t offset = 0;      // file offset of base (page aligned)
+  int64_t file_bytes = 0;  // at mapping time
+  ~FileMapping() {
+    if (base != nullptr) ::munmap(base, length);
+    if (fd >= 0) ::close(fd);
+  }
+  // The mapped address of file bytes [file_offset, file_offset + n), or null when not mapped.
+  const unsigned char* at(int64_t file_offset, int64_t n) const {
+    if (base == nullptr || file_offset < offset || file_offset + n > offset + static_cast<int64_t>(length)) {
+      return nullptr;
+    }
+    return static_cast<const unsigned char*>(base) + (file_offset - offset);
+  }
+};
+
+// The mappings of one load, by file index; they live from the verification to the end of the copy.
+struct FileMappings {
+  std::map<int, std::unique_ptr<FileMapping>> files;
+  const FileMapping* find(int file) const {
+    const auto it = files.find(file);
+    return it == files.end() ? nullptr : it->second.get();
+  }
+};
+
+int64_t file_offset_of(const CheckpointIndex& index, const Piece& piece, int64_t entry_byte) {
+  return index.files[piece.file]->header().data_start + piece.entry->data_begin + entry_byte;
+}
+
+std::string hex8(uint32_t value) {
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "%08x", value);
+  return buf;
+}
+
+// Verifies the checksums of every span, in file order per file, with read-ahead, from one mapping
+// per file kept in `mappings` for the copy (see the note above). A mismatch is a c10::Error naming
+// the file, the key and the block.
+void verify_spans(const CheckpointIndex& index, const std::vector<Target>& targets, FileMappings& mappings) {
   std::vector<const Span*> spans;
   for (const Target& target : targets) {
-    for (const Span& span : target.spans) spans.push_back(&span);
+    for (const Span& span : target.spans) {
+      if (span.end > span.begin) spans.push_back(&span);
+    }
   }
-  const auto file_offset = [&](const Span& s) {
-    return index.files[s.piece->file]->header().data_start + s.piece->entry->data_begin + s.begin;
-  };
+  const auto file_offset = [&](const Span& s) { return file_offset_of(index, *s.piece, s.begin); };
   std::sort(spans.begin(), spans.end(), [&](const Span* a, const Span* b) {
     if (a->piece->file != b->piece->file) return a->piece->file < b->piece->file;
     return file_offset(*a) < file_offset(*b);
   });
+  static const int64_t page = ::sysconf(_SC_PAGESIZE);
+  // Per file with checksums: a descriptor, and a mapping from the first to the last block verified
+  // (which covers every byte copied from it: the spans cover the reads). A failed open or mapping
+  // goes without (advice skipped; verification and copy through pread).
+  std::map<int, std::pair<int64_t, int64_t>> extent;  // file -> [first block begin, last block end)
+  for (const Span* s : spans) {
+    const storage::SafetensorsFile& file = *index.files[s->piece->file];
+    const int64_t block = file.header().crc_block_bytes;
+    if (block == 0) continue;
+    const storage::SafetensorsEntry& entry = *s->piece->entry;
+    const int64_t begin = file_offset_of(index, *s->piece, s->begin / block * block);
+    const int64_t end = file_offset_of(index, *s->piece, std::min(((s->end - 1) / block + 1) * block, entry.nbytes()));
+    auto [it, fresh] = extent.try_emplace(s->piece->file, begin, end);
+    if (!fresh) {
+      it->second.first = std::min(it->second.first, begin);
+      it->second.second = std::max(it->second.second, end);
+    }
+  }
+  for (const auto& [f, range] : extent) {
+    auto mapping = std::make_unique<FileMapping>();
+    mapping->fd = ::open(path_of(index, f).c_str(), O_RDONLY | O_CLOEXEC);
+    struct stat st {};
+    if (mapping->fd >= 0 && ::fstat(mapping->fd, &st) == 0 && st.st_size >= range.second) {
+      mapping->file_bytes = st.st_size;
+      mapping->offset = range.first / page * page;
+      mapping->length = static_cast<size_t>(range.second - mapping->offset);
+      void* base = ::mmap(nullptr, mapping->length, PROT_READ, MAP_SHARED, mapping->fd, mapping->offset);
+      if (base != MAP_FAILED) mapping->base = base;
+    }
+    mappings.files.emplace(f, std::move(mapping));
+  }
   // Read-ahead: `advised` spans (and `advised_bytes` of the next one) are advised; the reads of
-  // the next kReadAheadBytes past what is being verified are kept advised. One descriptor per
-  // file, only for the advice (a failed open or advice just goes without).
-  std::map<int, int> fds;
-  const auto fd_of = [&](int file) {
-    auto [it, fresh] = fds.try_emplace(file, -1);
-    if (fresh) it->second = ::open(path_of(index, file).c_str(), O_RDONLY | O_CLOEXEC);
-    return it->second;
-  };
+  // the next kReadAheadBytes past what is being verified are kept advised.
   size_t advised = 0;
-  int64_t advised_bytes = 0;   // of spans[advised]
-  int64_t ahead = 0;           // bytes advised past the span being verified
+  int64_t advised_bytes = 0;  // of spans[advised]
+  int64_t ahead = 0;          // bytes advised past the span being verified
   const auto advise = [&] {
     while (advised < spans.size() && ahead < kReadAheadBytes) {
       const Span& s = *spans[advised];
       const int64_t length = std::min(s.end - s.begin - advised_bytes, kReadAheadBytes - ahead);
-      const int fd = fd_of(s.piece->file);
-      if (fd >= 0 && length > 0) ::posix_fadvise(fd, file_offset(s) + advised_bytes, length, POSIX_FADV_WILLNEED);
+      const FileMapping* mapping = mappings.find(s.piece->file);
+      if (mapping != nullptr && mapping->fd >= 0 && length > 0) {
+        ::posix_fadvise(mapping->fd, file_offset(s) + advised_bytes, length, POSIX_FADV_WILLNEED);
+      }
       ahead += length;
       advised_bytes += length;
       if (advised_bytes == s.end - s.begin) {
@@ -378,37 +500,74 @@ void verify_spans(const CheckpointIndex& index, const std::vector<Target>& targe
       }
     }
   };
-  try {
-    for (const Span* span : spans) {
-      advise();
-      index.files[span->piece->file]->verify(*span->piece->entry, span->begin, span->end);
-      ahead -= span->end - span->begin;
+  for (const Span* span : spans) {
+    advise();
+    const storage::SafetensorsFile& file = *index.files[span->piece->file];
+    const storage::SafetensorsEntry& entry = *span->piece->entry;
+    const FileMapping* mapping = mappings.find(span->piece->file);
+    const int64_t block = file.header().crc_block_bytes;
+    if (block == 0 || mapping == nullptr || mapping->base == nullptr) {
+      file.verify(entry, span->begin, span->end);  // no checksums (a no-op), or not mapped
+    } else {
+      const std::string& path = file.header().path;
+      TORCH_CHECK(static_cast<int64_t>(entry.crc32c.size()) == (entry.nbytes() + block - 1) / block, "'", path,
+                  "': entry '", entry.key, "' has ", entry.crc32c.size(), " checksums, expected ",
+                  (entry.nbytes() + block - 1) / block);
+      for (int64_t b = span->begin / block; b <= (span->end - 1) / block; ++b) {
+        const int64_t block_begin = b * block;
+        const int64_t block_end = std::min(block_begin + block, entry.nbytes());
+        const int64_t at = file_offset_of(index, *span->piece, block_begin);
+        const unsigned char* bytes = mapping->at(at, block_end - block_begin);
+        TORCH_INTERNAL_ASSERT(bytes != nullptr, "a verified block outside its file's mapping");
+        // One call maps the block's pages (waiting for the read-ahead when cold); on kernels
+        // without MADV_POPULATE_READ (before 5.14) the checksum's own page faults do it.
+        const uintptr_t first_page = reinterpret_cast<uintptr_t>(bytes) / page * page;
+        ::madvise(reinterpret_cast<void*>(first_page),
+                  static_cast<size_t>(reinterpret_cast<uintptr_t>(bytes) + (block_end - block_begin) - first_page),
+                  kMadvisePopulateRead);
+        const uint32_t crc = storage::crc32c(bytes, static_cast<size_t>(block_end - block_begin));
+        TORCH_CHECK(crc == entry.crc32c[b], "'", path, "': checksum mismatch in entry '", entry.key, "' block ", b,
+                    " (bytes [", block_begin, ", ", block_end, ") of the entry): stored ", hex8(entry.crc32c[b]),
+                    ", computed ", hex8(crc), "; the file is corrupt");
+      }
     }
-  } catch (...) {
-    for (const auto& [file, fd] : fds) {
-      if (fd >= 0) ::close(fd);
-    }
-    throw;
-  }
-  for (const auto& [file, fd] : fds) {
-    if (fd >= 0) ::close(fd);
+    ahead -= span->end - span->begin;
   }
 }
 
-// Copies the planned reads into the local tensors: straight into contiguous CPU destinations of the
-// file's dtype, otherwise through one staging buffer of at most `max_staging_bytes`.
-void execute_reads(const CheckpointIndex& index, const std::vector<Target>& targets, int64_t max_staging_bytes) {
+// Copies the planned reads into the local tensors: from the file's mapping when the verification
+// made one (see the note above), otherwise with pread; straight into contiguous CPU destinations of
+// the file's dtype, otherwise through one staging buffer of at most `max_staging_bytes`.
+void execute_reads(const CheckpointIndex& index, const std::vector<Target>& targets, const FileMappings& mappings,
+                   int64_t max_staging_bytes) {
+  // A file truncated since it was mapped would end the process with SIGBUS in the copy: refuse it.
+  for (const auto& [f, mapping] : mappings.files) {
+    if (mapping->base == nullptr) continue;
+    struct stat st {};
+    TORCH_CHECK(::fstat(mapping->fd, &st) == 0 && st.st_size == mapping->file_bytes, "the checkpoint file '",
+                path_of(index, f), "' changed size during the load (", mapping->file_bytes, " bytes when verified)");
+  }
+  // Bytes [begin, end) of a read's entry into dst.
+  const auto read_bytes = [&](const Read& read, int64_t begin, int64_t end, void* dst) {
+    const FileMapping* mapping = mappings.find(read.piece->file);
+    const unsigned char* src =
+        mapping ? mapping->at(file_offset_of(index, *read.piece, begin), end - begin) : nullptr;
+    if (src != nullptr) {
+      copy_streaming(dst, src, end - begin);
+    } else {
+      index.files[read.piece->file]->read(*read.piece->entry, begin, end, dst);  // opened by plan_target
+    }
+  };
   c10::NoGradGuard no_grad;
   at::Tensor staging;
   for (const Target& target : targets) {
     const at::Tensor& local = target.shard.local;
     for (const Read& read : target.reads) {
-      const storage::SafetensorsFile& file = *index.files[read.piece->file];  // opened by plan_target
       const c10::ScalarType dtype = read.piece->entry->dtype;
       const int64_t esize = static_cast<int64_t>(c10::elementSize(dtype));
       if (local.device().is_cpu() && local.is_contiguous() && local.scalar_type() == dtype) {
         auto* dst = static_cast<char*>(local.data_ptr()) + read.dst * esize;
-        file.read(*read.piece->entry, read.src * esize, (read.src + read.length) * esize, dst);
+        read_bytes(read, read.src * esize, (read.src + read.length) * esize, dst);
         continue;
       }
       const int64_t chunk = std::max<int64_t>(1, max_staging_bytes / esize);
@@ -416,7 +575,7 @@ void execute_reads(const CheckpointIndex& index, const std::vector<Target>& targ
       if (!staging.defined() || staging.numel() < needed) staging = at::empty({needed}, at::kByte);
       for (int64_t done = 0; done < read.length; done += chunk) {
         const int64_t n = std::min(chunk, read.length - done);
-        file.read(*read.piece->entry, (read.src + done) * esize, (read.src + done + n) * esize, staging.data_ptr());
+        read_bytes(read, (read.src + done) * esize, (read.src + done + n) * esize, staging.data_ptr());
         const at::Tensor src = at::from_blob(staging.data_ptr(), {n}, at::TensorOptions().dtype(dtype));
         local.narrow(0, read.dst + done, n).copy_(src);
       }
@@ -446,6 +605,7 @@ int64_t load_request(const char* api, const std::string& dir, const LoadRequest&
   std::string error;
   std::unique_ptr<CheckpointIndex> index;
   std::vector<Target> targets;
+  FileMappings mappings;  // from the verification to the end of the copy
   std::vector<std::pair<std::string, at::Tensor>> extra_tensors;
   bool optimizer_found = false;
   // Phase 1: validate everything this rank needs; nothing is modified.
@@ -504,14 +664,14 @@ int64_t load_request(const char* api, const std::string& dir, const LoadRequest&
       }
       add(wanted);
     }
-    verify_spans(*index, targets);  // last: every other check is cheaper
+    verify_spans(*index, targets, mappings);  // last: every other check is cheaper
   } catch (const std::exception& e) {
     error = error_text(e);
   }
   agree_on_success(*comm, error, api, "validation; nothing was loaded");
   // Phase 2: read into the live tensors.
   try {
-    execute_reads(*index, targets, options.max_staging_bytes());
+    execute_reads(*index, targets, mappings, options.max_staging_bytes());
     if (finish) finish(request.has_optimizer && optimizer_found);
     if (extra != nullptr) {
       extra->values = index->extra_values;

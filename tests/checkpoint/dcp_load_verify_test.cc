@@ -217,3 +217,56 @@ FSDP_RANKS_TEST_CASE("staging smaller than one checksum block, and than one elem
     }
   }
 }
+
+// Values of a few MiB, read through the files' mappings ([Note: verify, agree, then copy]): every
+// rank reads every rank's file (the whole value), each piece of at least 1 MiB (the streaming copy)
+// into a destination 4 bytes off 16-byte alignment, one key converted to float64 through a small
+// staging buffer; checksum blocks of 64 KiB, so a rank verifies dozens of blocks of every file
+// before the corrupted one. A byte flipped in the last block of the last file (verified last by
+// every rank, after every other block it needs is mapped and checked) fails every rank and leaves
+// every destination unchanged; restored, the same load reads the saved values.
+FSDP_RANKS_TEST_CASE("large values through the mapping; a corruption verified last changes nothing", "[dcp][verify]") {
+  const int W = world_size();
+  const std::string dir = test_dir("mapped");
+  const int64_t n = (int64_t{1} << 20) * W + 13;  // floats: at least 1 MiB per rank's piece
+  const auto value = [&](int k) { return at::arange(n, at::kFloat).mul_(0.25).add_(k); };
+  const int64_t begin = n * rank() / W;
+  const int64_t end = n * (rank() + 1) / W;
+  fsdp::ShardedStateDict saved;
+  for (int k = 0; k < 2; ++k) {
+    saved.emplace_back("v" + std::to_string(k),
+                       fsdp::LocalShard{value(k).slice(0, begin, end).clone(), {n}, begin, true});
+  }
+  fsdp::dcp::save_state(dir, saved, {}, fsdp::dcp::SaveOptions().communicator(fresh_comm()).crc_block_bytes(64 << 10));
+  // Destinations: v0 float32 at an address 4 bytes past an allocation's start, v1 float64.
+  const at::Tensor v0_storage = at::full({n + 1}, -1.0f);
+  fsdp::ShardedStateDict wanted;
+  wanted.emplace_back("v0", fsdp::LocalShard{v0_storage.narrow(0, 1, n), {n}, 0, false});
+  wanted.emplace_back("v1", fsdp::LocalShard{at::full({n}, -1.0, at::kDouble), {n}, 0, false});
+  const auto options =
+      fsdp::dcp::LoadOptions().communicator(fresh_comm()).convert_dtype(true).max_staging_bytes(100000);
+
+  const Victim v = last_needed_byte(dir, W - 1);
+  world().barrier();
+  if (rank() == W - 1) flip(v);
+  world().barrier();
+  std::string message;
+  try {
+    fsdp::dcp::load_state(dir, wanted, nullptr, options);
+  } catch (const c10::Error& e) {
+    message = e.what_without_backtrace();
+  }
+  INFO(message);
+  CHECK_THAT(message, Contains("failed on rank 0 of " + std::to_string(W)) && Contains(v.file) &&
+                          Contains("'" + v.key + "'") && Contains("checksum mismatch") &&
+                          Contains("nothing was loaded"));
+  CHECK(v0_storage.eq(-1.0f).all().item<bool>());
+  CHECK(wanted[1].second.local.eq(-1.0).all().item<bool>());
+  world().barrier();
+  if (rank() == W - 1) flip(v);  // restored
+  world().barrier();
+  CHECK(fsdp::dcp::load_state(dir, wanted, nullptr, options) == 2);
+  CHECK(v0_storage[0].item<float>() == -1.0f);  // the element before the destination
+  CHECK(wanted[0].second.local.equal(value(0)));
+  CHECK(wanted[1].second.local.equal(value(1).to(at::kDouble)));
+}
