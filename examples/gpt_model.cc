@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <utility>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -19,6 +20,17 @@
 #include <c10/util/Exception.h>
 
 namespace fsdp::examples {
+
+namespace {
+
+// "blocks 2 .. 3" or "no blocks": what a (pruned) block list holds, for messages.
+std::string blocks_text(const contract::ModuleList& blocks) {
+  if (blocks->is_empty()) return "no blocks";
+  return "blocks " + std::to_string(blocks->first_name()) + " .. " +
+         std::to_string(blocks->first_name() + static_cast<int64_t>(blocks->size()) - 1);
+}
+
+}  // namespace
 
 void GPTConfig::validate() const {
   TORCH_CHECK(vocab_size_ > 0, "GPTConfig: vocab_size must be positive (got ", vocab_size_, ")");
@@ -115,8 +127,7 @@ void GPTImpl::keep_stage(pipeline::BlockRange range, bool first, bool last) {
               (first ? "first" : (last ? "last" : "middle")), " stage holding blocks [", range.begin,
               ", ", range.end, ")). Build the model with GPTConfig::tie_embeddings(false)");
   TORCH_CHECK(is_first_stage() && is_last_stage() && !blocks->is_pruned(), "GPT::keep_stage: the "
-              "model is already a pipeline stage (blocks ", blocks->first_name(), " .. ",
-              blocks->first_name() + static_cast<int64_t>(blocks->size()) - 1,
+              "model is already a pipeline stage (", blocks_text(blocks),
               (is_first_stage() ? ", embeddings" : ""), (is_last_stage() ? ", output layer" : ""),
               "); call keep_stage once, on the whole model");
   TORCH_CHECK(0 <= range.begin && range.begin <= range.end && range.end <= n_layers,
@@ -173,8 +184,7 @@ at::Tensor GPTImpl::forward(at::Tensor input) {
     // A later pipeline stage: the previous stage's hidden states ([Note: GPT pipeline stages]).
     // Under sequence parallelism they hold this rank's positions, so time is not checked.
     TORCH_CHECK(input.dim() == 3 && input.is_floating_point() && input.size(2) == config_.d_model(),
-                "GPT::forward: this pipeline stage (blocks ", blocks->first_name(), " .. ",
-                blocks->first_name() + static_cast<int64_t>(blocks->size()) - 1, ", no embeddings) "
+                "GPT::forward: this pipeline stage (", blocks_text(blocks), ", no embeddings) "
                 "expected the previous stage's hidden states, floating point of shape [batch, "
                 "time, ", config_.d_model(), "] (got ", input.scalar_type(), " of shape ",
                 input.sizes(), ")");
@@ -199,8 +209,7 @@ at::Tensor GPTImpl::generate(at::Tensor prompt, int64_t n_new, double temperatur
   TORCH_CHECK(temperature >= 0.0, "GPT::generate: expected temperature >= 0 (got ", temperature, ")");
   TORCH_CHECK(is_first_stage() && is_last_stage(), "GPT::generate: needs the whole model (token ids "
               "in, logits out); this one is a pipeline stage (", (is_first_stage() ? "first" : (is_last_stage() ? "last" : "middle")),
-              ", blocks ", blocks->first_name(), " .. ",
-              blocks->first_name() + static_cast<int64_t>(blocks->size()) - 1, ")");
+              ", ", blocks_text(blocks), ")");
   c10::NoGradGuard no_grad;
   at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(seed));
   at::Tensor tokens = prompt;
