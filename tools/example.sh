@@ -2,16 +2,20 @@
 # Runs the main example, //examples:train_gpt (a small GPT trained with fully_shard on each block
 # and on the root): installs what is missing, builds, and launches it over MPI ranks on this
 # machine.   tools/example.sh [--np N] [train_gpt flags...]   (tools/example.sh --help lists them)
+# With --pp P it runs //examples:train_gpt_pipeline instead (pipeline parallel: tools/example.sh
+# --np 4 --pp 2 --help lists its flags).
 # The collectives demo is a separate target: bazel build //examples:collectives_demo.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 np=2
 if [ "${1:-}" = "--np" ]; then np="$2"; shift 2; fi
+target=train_gpt
+for a in "$@"; do [ "$a" = "--pp" ] && target=train_gpt_pipeline; done
 tools/setup.sh
-bazel build //examples:train_gpt
+bazel build "//examples:$target"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 # A short TMPDIR: Open MPI's session directory holds Unix sockets, whose paths are limited.
 work=$(mktemp -d /tmp/fsdpx.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 TMPDIR="$work" mpirun --oversubscribe --bind-to none -np "$np" -x OMP_NUM_THREADS \
-  bazel-bin/examples/train_gpt "$@"
+  "bazel-bin/examples/$target" "$@"
