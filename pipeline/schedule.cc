@@ -81,6 +81,20 @@ Descriptor decode(const std::vector<uint8_t>& bytes) {
 
 using Key = std::pair<int, int>;  // (stage, microbatch)
 
+// Runs `fn` (a stage's forward or backward); an exception names the stage, the pass and the
+// microbatch before the original message.
+template <typename Fn>
+auto naming_failures(const PipelineStage& stage, const char* pass, int mb, Fn&& fn) {
+  try {
+    return fn();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, kApi, ": ", stage.name(), " failed in the ", pass, " of microbatch ", mb, ": ",
+                e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, kApi, ": ", stage.name(), " failed in the ", pass, " of microbatch ", mb, ": ", e.what());
+  }
+}
+
 }  // namespace
 
 PipelineSchedule::PipelineSchedule(std::vector<PipelineStage*> stages, LossFn loss_fn, ScheduleOptions options)
@@ -290,10 +304,11 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
     at::Tensor x = stage.is_first() ? input_chunks[mb] : receive_activation(s, mb);
     if (!stage.is_first() && at::isFloatingType(x.scalar_type())) x = x.detach().requires_grad_(true);
     const auto t0 = Clock::now();
-    at::Tensor out = stage.run_forward(x);
+    at::Tensor out = naming_failures(stage, "forward", mb, [&] { return stage.run_forward(x); });
     TORCH_CHECK(out.defined(), kApi, ": ", stage.name(), " returned an undefined tensor for microbatch ", mb);
     if (stage.is_last()) {
-      at::Tensor loss = loss_fn_(out, target_chunks[mb]);
+      at::Tensor loss =
+          naming_failures(stage, "loss function", mb, [&] { return loss_fn_(out, target_chunks[mb]); });
       TORCH_CHECK(loss.defined() && loss.numel() == 1, kApi, ": the loss function on ", stage.name(),
                   " returned ", loss.defined() ? "a tensor of shape " + shape_string(loss.sizes()) : "an undefined tensor",
                   " for microbatch ", mb, "; expected a scalar");
@@ -327,7 +342,9 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
       at::Tensor loss = std::move(stage_losses.at({s, mb}));
       stage_losses.erase({s, mb});
       const auto t0 = Clock::now();
-      if (loss.requires_grad()) torch::autograd::backward({loss * scale});
+      if (loss.requires_grad()) {
+        naming_failures(stage, "backward", mb, [&] { torch::autograd::backward({loss * scale}); });
+      }
       stats_.compute_seconds += seconds_since(t0);
     } else {
       const int next = s + 1;
@@ -343,7 +360,9 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
                  std::to_string(s));
       }
       const auto t0 = Clock::now();
-      if (out.requires_grad()) torch::autograd::backward({out}, {grad});
+      if (out.requires_grad()) {
+        naming_failures(stage, "backward", mb, [&] { torch::autograd::backward({out}, {grad}); });
+      }
       stats_.compute_seconds += seconds_since(t0);
     }
     stats_.backwards += 1;

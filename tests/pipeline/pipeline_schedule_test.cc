@@ -179,6 +179,7 @@ void check_case(const Case& c) {
       CHECK(stats.recv_bytes == expected);
     }
     // Gradients, then parameters after the step, against the reference.
+    const auto ref_params = reference->named_parameters();
     for (size_t k = 0; k < parts.size(); ++k) {
       std::optional<fsdp::SummonFullParams> full;
       if (c.fsdp) full.emplace(roots[k], fsdp::SummonFullParamsOptions().with_grads(true));
@@ -186,7 +187,7 @@ void check_case(const Case& c) {
         const std::string& name = item.key();
         const torch::Tensor& p = item.value();
         INFO(name);
-        const auto* ref_p = reference->named_parameters().find(name);
+        const auto* ref_p = ref_params.find(name);
         REQUIRE(ref_p != nullptr);
         REQUIRE(p.grad().defined());
         CHECK(torch::allclose(p.grad(), ref_p->grad(), 1e-4, 1e-6));

@@ -1,0 +1,58 @@
+// A pipeline stage that fails mid-step (tests/pipeline/pipeline_fault_test.sh): 3 ranks, one
+// stage each, 1F1B over 2 microbatches. Steps 0 and 1 run everywhere; in step 2 stage 1 throws in
+// the forward of microbatch 1 ("throw") or its process is killed ("kill"). The throwing rank
+// prints its error (naming the stage and the microbatch) and then waits like a rank stuck
+// elsewhere would, so the other ranks' waits for its transfers must end with the communicator's
+// timeout report naming the transfer.
+//   pipeline_fault_main throw|kill
+#include <csignal>
+#include <cstdio>
+#include <exception>
+#include <string>
+
+#include <torch/torch.h>
+
+#include "fsdp_cpp/comm/init.h"
+#include "fsdp_cpp/contract/hookable_modules.h"
+#include "fsdp_cpp/pipeline/schedule.h"
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  if (mode != "throw" && mode != "kill") {
+    std::fprintf(stderr, "usage: pipeline_fault_main throw|kill\n");
+    return 2;
+  }
+  const auto group = fsdp::comm::init_process_group();
+  auto pp = group.comm;
+  const int rank = pp->rank();
+  torch::manual_seed(0);
+  fsdp::contract::Linear layer(4, 4);
+  int64_t step = 0;
+  int calls_in_step_2 = 0;
+  fsdp::pipeline::PipelineStage stage(
+      [&](const at::Tensor& x) {
+        if (step == 2 && rank == 1 && ++calls_in_step_2 == 2) {  // the forward of microbatch 1
+          if (mode == "kill") {
+            std::fprintf(stderr, "rank 1: SIGKILL in step 2\n");
+            std::raise(SIGKILL);
+          }
+          throw std::runtime_error("stage 1 failed on purpose");
+        }
+        return torch::tanh(layer(x));
+      },
+      rank, pp->size(), pp);
+  fsdp::pipeline::PipelineSchedule schedule(
+      {&stage}, [](const at::Tensor& out, const at::Tensor& y) { return (out - y).pow(2).mean(); },
+      fsdp::pipeline::ScheduleOptions().kind(fsdp::pipeline::ScheduleKind::k1F1B).n_microbatches(2));
+  for (step = 0; step < 4; ++step) {
+    try {
+      schedule.step(torch::randn({4, 4}), torch::randn({4, 4}));
+      std::fprintf(stderr, "rank %d: step %ld done\n", rank, static_cast<long>(step));
+    } catch (const c10::Error& e) {
+      std::fprintf(stderr, "rank %d: error: %s\n", rank, e.what_without_backtrace());
+      pp->barrier();  // the others are waiting for this rank's transfers: never completes
+      return 1;
+    }
+  }
+  return 0;
+}
