@@ -501,13 +501,14 @@ void verify_spans(const CheckpointIndex& index, const std::vector<Target>& targe
     }
   };
   for (const Span* span : spans) {
-    advise();
     const storage::SafetensorsFile& file = *index.files[span->piece->file];
     const storage::SafetensorsEntry& entry = *span->piece->entry;
     const FileMapping* mapping = mappings.find(span->piece->file);
     const int64_t block = file.header().crc_block_bytes;
     if (block == 0 || mapping == nullptr || mapping->base == nullptr) {
+      advise();
       file.verify(entry, span->begin, span->end);  // no checksums (a no-op), or not mapped
+      ahead -= span->end - span->begin;
     } else {
       const std::string& path = file.header().path;
       TORCH_CHECK(static_cast<int64_t>(entry.crc32c.size()) == (entry.nbytes() + block - 1) / block, "'", path,
@@ -516,6 +517,7 @@ void verify_spans(const CheckpointIndex& index, const std::vector<Target>& targe
       for (int64_t b = span->begin / block; b <= (span->end - 1) / block; ++b) {
         const int64_t block_begin = b * block;
         const int64_t block_end = std::min(block_begin + block, entry.nbytes());
+        advise();  // per block, so that the advice stays kReadAheadBytes ahead within large spans
         const int64_t at = file_offset_of(index, *span->piece, block_begin);
         const unsigned char* bytes = mapping->at(at, block_end - block_begin);
         TORCH_INTERNAL_ASSERT(bytes != nullptr, "a verified block outside its file's mapping");
@@ -529,9 +531,9 @@ void verify_spans(const CheckpointIndex& index, const std::vector<Target>& targe
         TORCH_CHECK(crc == entry.crc32c[b], "'", path, "': checksum mismatch in entry '", entry.key, "' block ", b,
                     " (bytes [", block_begin, ", ", block_end, ") of the entry): stored ", hex8(entry.crc32c[b]),
                     ", computed ", hex8(crc), "; the file is corrupt");
+        ahead -= std::min(block_end, span->end) - std::max(block_begin, span->begin);
       }
     }
-    ahead -= span->end - span->begin;
   }
 }
 
