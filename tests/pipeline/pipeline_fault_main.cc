@@ -1,10 +1,11 @@
 // A pipeline stage that fails mid-step (tests/pipeline/pipeline_fault_test.sh): 3 ranks, one
 // stage each, 1F1B over 2 microbatches. Steps 0 and 1 run everywhere; in step 2 stage 1 throws in
-// the forward of microbatch 1 ("throw") or its process is killed ("kill"). The throwing rank
+// the forward of microbatch 1 ("throw"), returns an output of another shape than microbatch 0's
+// ("shape"), or its process is killed ("kill"). The throwing rank
 // prints its error (naming the stage and the microbatch) and then waits like a rank stuck
 // elsewhere would, so the other ranks' waits for its transfers must end with the communicator's
 // timeout report naming the transfer.
-//   pipeline_fault_main throw|kill
+//   pipeline_fault_main throw|shape|kill
 #include <csignal>
 #include <cstdio>
 #include <exception>
@@ -18,8 +19,8 @@
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
-  if (mode != "throw" && mode != "kill") {
-    std::fprintf(stderr, "usage: pipeline_fault_main throw|kill\n");
+  if (mode != "throw" && mode != "shape" && mode != "kill") {
+    std::fprintf(stderr, "usage: pipeline_fault_main throw|shape|kill\n");
     return 2;
   }
   const auto group = fsdp::comm::init_process_group();
@@ -36,6 +37,7 @@ int main(int argc, char** argv) {
             std::fprintf(stderr, "rank 1: SIGKILL in step 2\n");
             std::raise(SIGKILL);
           }
+          if (mode == "shape") return torch::tanh(layer(x)).narrow(1, 0, 2);  // [2, 2], not [2, 4]
           throw std::runtime_error("stage 1 failed on purpose");
         }
         return torch::tanh(layer(x));

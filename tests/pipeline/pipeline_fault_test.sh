@@ -3,7 +3,7 @@
 # short collective timeout (FSDP_COMM_TIMEOUT_S=3): the job must end well within a 60 s guard,
 # the failing stage's error naming the stage and microbatch ("throw"), and the ranks waiting for
 # its transfers reporting which transfer they waited for.
-#   pipeline_fault_test.sh BINARY throw|kill
+#   pipeline_fault_test.sh BINARY throw|shape|kill
 set -u
 binary="$1"
 mode="$2"
@@ -34,6 +34,10 @@ case "$mode" in
     expect "labelled 'gradient of microbatch 0 from stage 1 to stage 0' did not complete within 3000 ms"
     grep -Eq "rank 2: (send|recv) .* labelled '[a-z]+ of microbatch [01] from stage (1 to stage 2|2 to stage 1)' did not complete" \
       "$work/out.txt" || problems+=("no timeout report of stage 2's transfer with stage 1")
+    ;;
+  shape)
+    expect "rank 1: error: fsdp::pipeline::PipelineSchedule: stage 1 of 3 (pipeline rank 1) returned an output of shape [2, 2] and dtype Float for microbatch 1, but the shape agreed with stage 2 for this step's input is [2, 4] with dtype Float"
+    expect "labelled 'gradient of microbatch 0 from stage 1 to stage 0' did not complete within 3000 ms"
     ;;
   kill)
     expect "rank 1: SIGKILL in step 2"

@@ -73,11 +73,14 @@ struct Case {
   bool fsdp = false;
   bool reduce_every_microbatch = false;
   bool checkpoint = false;
+  bool keep_unsharded = false;      // reshard_after_forward(false): unsharded from forward to backward
+  bool double_compute = false;      // mixed precision: parameters and activations in float64
   std::string name() const {
     return fsdp::pipeline::schedule_name(kind) + " pp=" + std::to_string(pp) + " dp=" + std::to_string(dp) +
            " stages=" + std::to_string(pp * chunks) + " m=" + std::to_string(microbatches) +
            (fsdp ? (reduce_every_microbatch ? " fully_shard(reduce every microbatch)" : " fully_shard") : "") +
-           (checkpoint ? " +AC" : "");
+           (checkpoint ? " +AC" : "") + (keep_unsharded ? " reshard_after_forward(false)" : "") +
+           (double_compute ? " param_dtype(float64)" : "");
   }
 };
 
@@ -114,7 +117,9 @@ void check_case(const Case& c) {
     auto stage = std::make_unique<fsdp::pipeline::PipelineStage>(
         [part](const at::Tensor& x) mutable { return part(x); }, s, n_stages, pp);
     if (c.fsdp) {
-      const auto opts = fsdp::FullyShardOptions().communicator(dp);
+      auto opts = fsdp::FullyShardOptions().communicator(dp);
+      if (c.keep_unsharded) opts.reshard_after_forward(false);
+      if (c.double_compute) opts.mixed_precision(fsdp::MixedPrecision().param_dtype(at::kDouble));
       for (auto& b : part->blocks) fsdp::fully_shard(b, opts);
       roots.push_back(fsdp::fully_shard(part, opts));
       stage->set_fsdp_units({roots.back()});
@@ -152,10 +157,10 @@ void check_case(const Case& c) {
     CHECK(stats.backwards == c.microbatches * c.chunks);
     if (holds_last) {
       REQUIRE(losses.size() == static_cast<size_t>(c.microbatches));
-      const auto mine = torch::stack(losses).mean();
+      const auto mine = torch::stack(losses).mean().to(torch::kFloat);
       const auto expected = mse(ref_out.narrow(0, dp->rank() * rows, rows), y).detach();
       CHECK(torch::allclose(mine, expected, 1e-5, 1e-6));
-      CHECK(torch::allclose(out, ref_out.narrow(0, dp->rank() * rows, rows).detach(), 1e-5, 1e-6));
+      CHECK(torch::allclose(out.to(torch::kFloat), ref_out.narrow(0, dp->rank() * rows, rows).detach(), 1e-5, 1e-6));
     } else {
       CHECK(losses.empty());
       CHECK(!out.defined());
@@ -169,7 +174,7 @@ void check_case(const Case& c) {
     // boundary to another rank (plus the shapes, at the first step).
     if (step > 0) {
       int64_t expected = 0;
-      const int64_t bytes = (rows / c.microbatches) * kDim * 4;
+      const int64_t bytes = (rows / c.microbatches) * kDim * (c.double_compute ? 8 : 4);
       for (auto* st : stage_ptrs) {
         const int s = st->stage_index();
         if (!st->is_last() && st->rank_of(s + 1) != pp->rank()) expected += c.microbatches * bytes;
@@ -251,6 +256,19 @@ FSDP_RANKS_TEST_CASE("fully_shard inside the stages: reduced once per step or ev
         c.checkpoint = every;  // activation checkpointing on half the cases
         check_case(c);
       }
+    }
+    // Units kept unsharded between each microbatch's forward and backward; mixed precision whose
+    // activations (float64) go between stages in the compute dtype.
+    for (int variant = 0; variant < 2; ++variant) {
+      Case c;
+      c.kind = ScheduleKind::k1F1B;
+      c.pp = pp;
+      c.dp = dp;
+      c.microbatches = 4;
+      c.fsdp = true;
+      c.keep_unsharded = variant == 0;
+      c.double_compute = variant == 1;
+      check_case(c);
     }
   }
 }
