@@ -383,6 +383,8 @@ def cmd_report(a):
     table(["layout", "procs", "step ms", "cpu ms", "vs dp4", "vs local", "PyTorch ms (C++/Py)", "others' cores"], rows)
     if tdp and "error" in tdp:
         print(f"   PyTorch pp=2 x dp=2: failed: {tdp['error']}")
+    print("   (the C++ layouts are stepped in turn in one run; local and PyTorch run separately, minutes apart: their "
+          "ratios also carry the difference in the machine's load, each side's BUSY mark is its own)")
 
     print("\n5. pp=2 schedule step (PipelineSchedule::step / schedule.step() alone), C++ against PyTorch's "
           "torch.distributed.pipelining over Gloo, 2 processes")
@@ -401,7 +403,8 @@ def cmd_report(a):
     if tpp2 and "error" in tpp2:
         print(f"   PyTorch pp=2: failed: {tpp2['error']}")
     if tpp2:
-        print(f"   (torch {tpp2.get('torch')}; C++ ms: the slowest rank's median StepStats::step_seconds of table 1)")
+        print(f"   (torch {tpp2.get('torch')}; C++ ms: the slowest rank's median StepStats::step_seconds of table 1, "
+              "taken minutes before the PyTorch figures; C++'s load is table 1's 'others' cores')")
 
     print(f"\nBUSY: other processes used more than {BUSY_CORES} cores on average during that figure's timed steps "
           "(/proc/stat busy seconds minus the ranks' own CPU seconds, over the wall time). Load average "
