@@ -97,10 +97,10 @@ log "load average before the runs: $(cut -d' ' -f1-3 /proc/loadavg) ($(getconf _
   mpi 1 --mode compare --layouts local --out "$outdir/compare_local.json" "${common[@]}" $size
   log "load average between the runs: $(cut -d' ' -f1-3 /proc/loadavg)"
   log "PyTorch pipelining pp=2 (2 processes, Gloo)"
-  "$py" tools/bench/pipeline_bench_torch.py run --world 2 --pp 2 --dp 1 --configs gpipe:4,1f1b:4,gpipe:8,1f1b:8 \
+  timeout 900 "$py" tools/bench/pipeline_bench_torch.py run --world 2 --pp 2 --dp 1 --configs gpipe:4,1f1b:4,gpipe:8,1f1b:8 \
     --out "$outdir/torch_pp2.json" "${common[@]}" $size || log "PyTorch pp=2 failed"
   log "PyTorch pipelining + FSDP2 pp=2 x dp=2 (4 processes, Gloo)"
-  "$py" tools/bench/pipeline_bench_torch.py run --world 4 --pp 2 --dp 2 --configs 1f1b:4,gpipe:4 --optimizer \
+  timeout 900 "$py" tools/bench/pipeline_bench_torch.py run --world 4 --pp 2 --dp 2 --configs 1f1b:4,gpipe:4 --optimizer \
     --out "$outdir/torch_pp2dp2.json" "${common[@]}" $size || log "PyTorch pp=2 x dp=2 failed"
 }
 

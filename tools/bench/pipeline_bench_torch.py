@@ -26,6 +26,7 @@ writes the merged JSON. tools/bench/README.md says what each figure measures.
 """
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -129,7 +130,9 @@ def worker(rank, a, store_path):
     import torch.nn.functional as F
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=a.world)
+    # A short timeout: a configuration that fails on one rank ends the others' waits within it.
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=a.world,
+                            timeout=datetime.timedelta(seconds=120))
     result = {"configs": []}
     try:
         from torch.distributed.device_mesh import init_device_mesh
