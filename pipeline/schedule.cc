@@ -237,34 +237,78 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
     return t;
   };
 
+  // [Note: posted receives] The receive an action needs from another rank is issued before the
+  // action before it runs (post_receive(next action) after post_receive(this action)), so the
+  // transfer proceeds while this rank computes; recvs of one tag are still issued in the order of
+  // the peer's sends, since each action's own receive is issued before the next one's. A receive
+  // whose size is not known yet (the first microbatch of a step that agrees shapes, a gradient
+  // whose output is not computed yet) is issued when its action runs.
+  std::map<std::tuple<int, int, int>, std::pair<comm::PendingCollective, at::Tensor>> posted;
+  auto activation_label = [](int from, int to, int mb) {
+    return "activation of microbatch " + std::to_string(mb) + " from stage " + std::to_string(from) + " to stage " +
+           std::to_string(to);
+  };
+  auto gradient_label = [](int from, int to, int mb) {
+    return "gradient of microbatch " + std::to_string(mb) + " from stage " + std::to_string(from) + " to stage " +
+           std::to_string(to);
+  };
+  // `wait_for_shape`: may block for the sender's shape header (only when the action runs next).
+  auto post_receive = [&](const Action& a, bool wait_for_shape) {
+    const int s = a.stage, mb = a.microbatch;
+    const bool fwd = a.type == Action::Type::kForward;
+    const int peer_stage = fwd ? s - 1 : s + 1;
+    if (peer_stage < 0 || peer_stage >= n_stages_ || stage_at(s).rank_of(peer_stage) == group_->rank()) return;
+    const auto key = std::make_tuple(fwd ? 0 : 1, s, mb);
+    if (posted.count(key)) return;
+    const int src = stage_at(s).rank_of(peer_stage);
+    at::Tensor t;
+    if (fwd) {
+      const int b = s - 1;
+      if (!boundary_shapes_[b]) {
+        if (!wait_for_shape) return;
+        at::Tensor header = at::empty({2 + kMaxDims}, at::TensorOptions().dtype(at::kLong).device(group_->device()));
+        recv(header, src, header_tag(b), "shape of the " + activation_label(b, s, mb));
+        header = header.cpu();
+        const int64_t* h = header.data_ptr<int64_t>();
+        boundary_shapes_[b] = std::vector<int64_t>(h + 2, h + 2 + h[1]);
+        boundary_dtypes_[b] = static_cast<int>(h[0]);
+      }
+      t = at::empty(*boundary_shapes_[b], at::TensorOptions()
+                                              .dtype(static_cast<at::ScalarType>(boundary_dtypes_[b]))
+                                              .device(group_->device()));
+      posted[key] = {group_->recv(t, src, forward_tag(b), activation_label(b, s, mb)), t};
+    } else {
+      auto out = stage_outputs.find({s, mb});
+      if (out == stage_outputs.end()) return;
+      t = at::empty(out->second.sizes(), out->second.options().requires_grad(false));
+      posted[key] = {group_->recv(t, src, backward_tag(s), gradient_label(peer_stage, s, mb)), t};
+    }
+  };
+  auto take_receive = [&](int type, int s, int mb) -> at::Tensor {
+    auto it = posted.find(std::make_tuple(type, s, mb));
+    TORCH_CHECK(it != posted.end(), kApi, ": internal error: no receive posted for stage ", s, " microbatch ", mb);
+    const auto t0 = Clock::now();
+    it->second.first.wait();
+    stats_.wait_seconds += seconds_since(t0);
+    at::Tensor t = std::move(it->second.second);
+    posted.erase(it);
+    stats_.recvs += 1;
+    stats_.recv_bytes += static_cast<int64_t>(t.nbytes());
+    return t;
+  };
+
   // The activation stage s receives for microbatch mb (s > 0).
   auto receive_activation = [&](int s, int mb) -> at::Tensor {
-    const int b = s - 1;
-    if (stage_at(s).rank_of(b) == group_->rank()) {
+    if (stage_at(s).rank_of(s - 1) == group_->rank()) {
       auto it = local_activations.find({s, mb});
-      if (it != local_activations.end()) {
-        at::Tensor t = std::move(it->second);
-        local_activations.erase(it);
-        stats_.local_transfers += 1;
-        return t;
-      }
+      TORCH_CHECK(it != local_activations.end(), kApi, ": internal error: no activation of stage ", s - 1,
+                  " for microbatch ", mb);
+      at::Tensor t = std::move(it->second);
+      local_activations.erase(it);
+      stats_.local_transfers += 1;
+      return t;
     }
-    const int src = stage_at(s).rank_of(b);
-    const std::string label = "activation of microbatch " + std::to_string(mb) + " from stage " +
-                              std::to_string(b) + " to stage " + std::to_string(s);
-    if (!boundary_shapes_[b]) {
-      at::Tensor header = at::empty({2 + kMaxDims}, at::TensorOptions().dtype(at::kLong).device(group_->device()));
-      recv(header, src, header_tag(b), "shape of the " + label);
-      header = header.cpu();
-      const int64_t* h = header.data_ptr<int64_t>();
-      std::vector<int64_t> shape(h + 2, h + 2 + h[1]);
-      boundary_shapes_[b] = shape;
-      boundary_dtypes_[b] = static_cast<int>(h[0]);
-    }
-    at::Tensor t = at::empty(*boundary_shapes_[b], at::TensorOptions()
-                                                      .dtype(static_cast<at::ScalarType>(boundary_dtypes_[b]))
-                                                      .device(group_->device()));
-    return recv(t, src, forward_tag(b), label);
+    return take_receive(0, s, mb);
   };
 
   // Stage s sends its output of microbatch mb to stage s + 1.
@@ -277,8 +321,7 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
     const int b = s;
     TORCH_CHECK(out.dim() <= kMaxDims, kApi, ": ", stage_at(s).name(), " returned an output with ", out.dim(),
                 " dimensions, more than the ", kMaxDims, " supported between stages");
-    const std::string label = "activation of microbatch " + std::to_string(mb) + " from stage " +
-                              std::to_string(s) + " to stage " + std::to_string(next);
+    const std::string label = activation_label(s, next, mb);
     if (!boundary_shapes_[b]) {
       at::Tensor header = at::zeros({2 + kMaxDims}, at::kLong);
       header[0] = static_cast<int64_t>(out.scalar_type());
@@ -334,6 +377,7 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
       // [Note: backward passes within an iteration]: the step is one iteration of each stage.
       unit.set_is_last_backward(mb == m - 1);
     }
+    post_receive({Action::Type::kBackward, s, mb}, true);  // needs the output's shape: before it is moved
     at::Tensor out = std::move(stage_outputs.at({s, mb}));
     stage_outputs.erase({s, mb});
     at::Tensor x = std::move(stage_inputs.at({s, mb}));
@@ -354,10 +398,7 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
         local_gradients.erase({s, mb});
         stats_.local_transfers += 1;
       } else {
-        grad = at::empty(out.sizes(), out.options().requires_grad(false));
-        recv(grad, stage.rank_of(next), backward_tag(s),
-             "gradient of microbatch " + std::to_string(mb) + " from stage " + std::to_string(next) + " to stage " +
-                 std::to_string(s));
+        grad = take_receive(1, s, mb);
       }
       const auto t0 = Clock::now();
       if (out.requires_grad()) {
@@ -373,14 +414,15 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
       if (stage.rank_of(prev) == group_->rank()) {
         local_gradients[{prev, mb}] = g;
       } else {
-        send(g, stage.rank_of(prev), backward_tag(prev),
-             "gradient of microbatch " + std::to_string(mb) + " from stage " + std::to_string(s) + " to stage " +
-                 std::to_string(prev));
+        send(g, stage.rank_of(prev), backward_tag(prev), gradient_label(s, prev, mb));
       }
     }
   };
 
-  for (const Action& a : order_) {
+  for (size_t i = 0; i < order_.size(); ++i) {
+    const Action& a = order_[i];
+    post_receive(a, /*wait_for_shape=*/true);
+    if (i + 1 < order_.size()) post_receive(order_[i + 1], /*wait_for_shape=*/false);  // [Note: posted receives]
     if (a.type == Action::Type::kForward) {
       run_forward(a.stage, a.microbatch);
     } else {
