@@ -331,35 +331,37 @@ bool plan_target(const CheckpointIndex& index, Target& target, const LoadOptions
 // until the agreement would hold all of them (N bytes, not a bounded buffer: with S < N staged,
 // N - S bytes are read again whatever the staging does) and would add a copy per byte; the page
 // cache already holds them. So each file a rank reads is mapped once, read-only, over the bytes it
-// needs (FileMappings), and both passes go through that one mapping:
+// needs (FileMapping), and both passes go through that one mapping:
 //   - verify (before the agreement): per checksum block, in file order, posix_fadvise(WILLNEED)
 //     keeps kReadAheadBytes of reads in flight ahead (a cold load reads the disk in large requests
 //     while the CPU checksums), madvise(MADV_POPULATE_READ) maps the block's pages in one call,
-//     and CRC-32C on three streams ([Note: three CRC streams] in storage/crc32c.cc) checks it;
-//   - copy (after every rank agreed): from the same mapping, with no file read and no page-cache
-//     lookup: the page tables the verification filled are reused, and large copies use
-//     non-temporal stores (copy_streaming), which do not read the destination's cache lines
-//     before overwriting them (a pread or a memcpy below glibc's threshold does: on this project's
-//     machines the copy takes ~40% less time).
-// The bytes are thus read from the file once; the CPU reads them twice from memory, which is the
-// price of the guarantee without an N-byte buffer (measured in tools/checkpoint_benchmark.sh by
-// "load(page cache warm, no checksums)"). Memory: no allocation; the mapped pages are page-cache
-// pages that exist anyway (shared, clean, reclaimable), but the process's resident set counts the
-// mapped part of them until the load returns. LoadOptions::max_staging_bytes still bounds the one
-// buffer of the copies that cannot go straight into the destination (dtype conversions, non-CPU or
-// non-contiguous tensors). A file that cannot be mapped falls back to a verification through a
-// bounded buffer (storage::SafetensorsFile::verify) and a pread per run after the agreement; files
-// without checksums, or loads with verify_checksums(false), are read with pread as before.
-// Limits: the guarantee holds against damage at rest, not against a file rewritten during the
-// load (the copy reads the page cache again); a file that shrank after the verification is
-// refused before the copy starts (fstat), but one truncated during the copy itself ends the
-// process with SIGBUS, as reading any mapped file does.
+//     CRC-32C on three streams ([Note: three CRC streams] in storage/crc32c.cc) checks it, and
+//     MADV_DONTNEED drops the block's page-table entries again (the pages stay cached);
+//   - copy (after every rank agreed): from the same mapping, a window of kMappedWindowBytes at a
+//     time populated, copied and released, with no file read (pread) into a buffer: large copies
+//     use non-temporal stores (copy_streaming), which do not read the destination's cache lines
+//     before overwriting them as a pread or a memcpy below glibc's threshold do.
+// The bytes are thus read from the file once; the CPU reads them twice from memory, the price of
+// the guarantee without an N-byte buffer. Memory as before: no allocation, and the resident set
+// holds one block or window of mapped page-cache pages at a time (keeping the whole mapping
+// populated from the verification to the copy would spare the second populate, which is cheap,
+// but would count every needed byte in the resident set). LoadOptions::max_staging_bytes still
+// bounds the one buffer of the copies that cannot go straight into the destination (dtype
+// conversions, non-CPU or non-contiguous tensors). A file that cannot be mapped falls back to a
+// verification through a bounded buffer (storage::SafetensorsFile::verify) and a pread per run
+// after the agreement; files without checksums, or loads with verify_checksums(false), are read
+// with pread as before. Limits: the guarantee holds against damage at rest, not against a file
+// rewritten during the load (the copy reads the page cache again); a file that shrank after the
+// verification is refused before the copy starts (fstat), but one truncated during the copy itself
+// ends the process with SIGBUS, as reading any mapped file does.
 constexpr int64_t kReadAheadBytes = int64_t{32} << 20;
 #ifdef MADV_POPULATE_READ
 constexpr int kMadvisePopulateRead = MADV_POPULATE_READ;
 #else
 constexpr int kMadvisePopulateRead = 22;  // Linux 5.14's value; older kernels refuse it (EINVAL)
 #endif
+// The copy populates, copies and releases this much of a mapping at a time (see FileMapping).
+constexpr int64_t kMappedWindowBytes = int64_t{4} << 20;
 // Copies at least this long use non-temporal stores.
 constexpr int64_t kStreamingCopyBytes = int64_t{1} << 20;
 
@@ -411,6 +413,32 @@ struct FileMapping {
       return nullptr;
     }
     return static_cast<const unsigned char*>(base) + (file_offset - offset);
+  }
+  // Maps the pages of [p, p + n) in one call (waiting for the read-ahead when cold); on kernels
+  // without MADV_POPULATE_READ (before 5.14) the first access's page faults do it.
+  static void populate(const unsigned char* p, int64_t n) { advise_pages(p, n, kMadvisePopulateRead); }
+  // Drops the page-table entries of [p, p + n) (the pages stay in the page cache), so that the
+  // resident set holds one window of the mapping at a time.
+  static void release(const unsigned char* p, int64_t n) { advise_pages(p, n, MADV_DONTNEED); }
+  // File bytes [file_offset, file_offset + n) into dst, one window at a time; false when not mapped.
+  bool copy_out(int64_t file_offset, int64_t n, void* dst) const {
+    const unsigned char* src = at(file_offset, n);
+    if (src == nullptr) return false;
+    for (int64_t done = 0; done < n;) {
+      const int64_t len = std::min(kMappedWindowBytes, n - done);
+      populate(src + done, len);
+      copy_streaming(static_cast<unsigned char*>(dst) + done, src + done, len);
+      release(src + done, len);
+      done += len;
+    }
+    return true;
+  }
+
+ private:
+  static void advise_pages(const unsigned char* p, int64_t n, int advice) {
+    static const int64_t page = ::sysconf(_SC_PAGESIZE);
+    const uintptr_t first = reinterpret_cast<uintptr_t>(p) / page * page;
+    ::madvise(reinterpret_cast<void*>(first), static_cast<size_t>(reinterpret_cast<uintptr_t>(p) + n - first), advice);
   }
 };
 
@@ -521,13 +549,9 @@ void verify_spans(const CheckpointIndex& index, const std::vector<Target>& targe
         const int64_t at = file_offset_of(index, *span->piece, block_begin);
         const unsigned char* bytes = mapping->at(at, block_end - block_begin);
         TORCH_INTERNAL_ASSERT(bytes != nullptr, "a verified block outside its file's mapping");
-        // One call maps the block's pages (waiting for the read-ahead when cold); on kernels
-        // without MADV_POPULATE_READ (before 5.14) the checksum's own page faults do it.
-        const uintptr_t first_page = reinterpret_cast<uintptr_t>(bytes) / page * page;
-        ::madvise(reinterpret_cast<void*>(first_page),
-                  static_cast<size_t>(reinterpret_cast<uintptr_t>(bytes) + (block_end - block_begin) - first_page),
-                  kMadvisePopulateRead);
+        FileMapping::populate(bytes, block_end - block_begin);
         const uint32_t crc = storage::crc32c(bytes, static_cast<size_t>(block_end - block_begin));
+        FileMapping::release(bytes, block_end - block_begin);
         TORCH_CHECK(crc == entry.crc32c[b], "'", path, "': checksum mismatch in entry '", entry.key, "' block ", b,
                     " (bytes [", block_begin, ", ", block_end, ") of the entry): stored ", hex8(entry.crc32c[b]),
                     ", computed ", hex8(crc), "; the file is corrupt");
@@ -552,11 +576,7 @@ void execute_reads(const CheckpointIndex& index, const std::vector<Target>& targ
   // Bytes [begin, end) of a read's entry into dst.
   const auto read_bytes = [&](const Read& read, int64_t begin, int64_t end, void* dst) {
     const FileMapping* mapping = mappings.find(read.piece->file);
-    const unsigned char* src =
-        mapping ? mapping->at(file_offset_of(index, *read.piece, begin), end - begin) : nullptr;
-    if (src != nullptr) {
-      copy_streaming(dst, src, end - begin);
-    } else {
+    if (mapping == nullptr || !mapping->copy_out(file_offset_of(index, *read.piece, begin), end - begin, dst)) {
       index.files[read.piece->file]->read(*read.piece->entry, begin, end, dst);  // opened by plan_target
     }
   };
