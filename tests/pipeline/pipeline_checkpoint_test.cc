@@ -11,6 +11,8 @@
 #include <torch/torch.h>
 
 #include "fsdp_cpp/checkpoint/distributed_checkpoint.h"
+#include "fsdp_cpp/checkpoint/optimizer_state_dict.h"
+#include "fsdp_cpp/checkpoint/state_dict.h"
 #include "fsdp_cpp/comm/device_mesh.h"
 #include "fsdp_cpp/composable/fully_shard.h"
 #include "fsdp_cpp/composable/fully_shard_tree.h"
@@ -28,8 +30,8 @@ using fsdp::examples::GPTConfig;
 
 constexpr int64_t kVocab = 16, kContext = 8, kMicrobatches = 2;
 
-GPTConfig config() {
-  return GPTConfig(kVocab).context_length(kContext).d_model(16).n_heads(2).n_layers(4).tie_embeddings(false);
+GPTConfig config(int64_t layers = 4) {
+  return GPTConfig(kVocab).context_length(kContext).d_model(16).n_heads(2).n_layers(layers).tie_embeddings(false);
 }
 
 torch::optim::AdamWOptions adamw() { return torch::optim::AdamWOptions(1e-2).weight_decay(0.1); }
@@ -82,9 +84,9 @@ struct Layout {
 };
 
 // The whole model trained on the global batches of steps [0, steps).
-GPT reference(int steps, int64_t rows) {
+GPT reference(int steps, int64_t rows, int64_t layers = 4) {
   torch::manual_seed(7);
-  GPT model(config());
+  GPT model(config(layers));
   torch::optim::AdamW optim(model->parameters(), adamw());
   for (int step = 0; step < steps; ++step) {
     const auto [x, y] = batch(step, rows);
@@ -154,4 +156,72 @@ FSDP_RANKS_TEST_CASE("a pipeline checkpoint resumes on another layout and unshar
     }
     check_against(whole, units.back(), after_4);
   }
+}
+
+FSDP_RANKS_TEST_CASE("an interleaved pipeline (two stage chunks per rank) saved with save_state resumes on pure fully_shard", "[pipeline][checkpoint]") {
+  auto& world = fsdp::testing::world();
+  const int w = world.size();
+  const int pp = w == 4 ? 2 : w, dp = w / pp, n_stages = 2 * pp;
+  const int64_t layers = 6, rows = w == 3 ? 12 : 8;
+  auto world_comm = fsdp::testing::fresh_comm();
+  const std::string dir = fsdp::testing::shared_tmpdir() + "/interleaved_ckpt";
+  auto mesh = fsdp::comm::DeviceMesh::create(world, {pp, dp}, {"pp", "dp"});
+  const auto ranges = fsdp::pipeline::split_blocks_evenly(layers, n_stages);
+  {
+    std::vector<GPT> parts;
+    std::vector<fsdp::FSDPModule> roots;
+    std::vector<std::unique_ptr<fsdp::pipeline::PipelineStage>> stages;
+    std::vector<fsdp::pipeline::PipelineStage*> stage_ptrs;
+    std::vector<std::unique_ptr<torch::optim::AdamW>> optims;  // one per chunk: one per root
+    for (int s : fsdp::pipeline::stages_of_rank(mesh->coordinate("pp"), pp, n_stages)) {
+      torch::manual_seed(7);
+      GPT part(config(layers));
+      part->keep_stage(ranges[s], s == 0, s == n_stages - 1);
+      auto units = fsdp::fully_shard_tree(*part, fsdp::WrapPolicy::module_types<fsdp::examples::BlockImpl>(),
+                                          fsdp::FullyShardOptions().communicator(mesh->group("dp")));
+      roots.push_back(units.back());
+      stages.push_back(std::make_unique<fsdp::pipeline::PipelineStage>(
+          [part](const at::Tensor& x) mutable { return part(x); }, s, n_stages, mesh->group("pp")));
+      stages.back()->set_fsdp_units({units.back()});
+      stage_ptrs.push_back(stages.back().get());
+      optims.push_back(std::make_unique<torch::optim::AdamW>(part->parameters(), adamw()));
+      parts.push_back(part);
+    }
+    fsdp::pipeline::PipelineSchedule schedule(
+        stage_ptrs, fsdp::examples::next_token_loss,
+        fsdp::pipeline::ScheduleOptions().kind(fsdp::pipeline::ScheduleKind::kInterleaved1F1B).n_microbatches(pp));
+    for (int step = 0; step < 2; ++step) {
+      const auto [x, y] = batch(step, rows);
+      const int64_t mine = rows / dp;
+      schedule.step(x.narrow(0, mesh->coordinate("dp") * mine, mine), y.narrow(0, mesh->coordinate("dp") * mine, mine));
+      for (auto& o : optims) {
+        o->step();
+        o->zero_grad();
+      }
+    }
+    // One checkpoint of the whole model: every chunk's model and optimizer state, merged.
+    fsdp::ShardedStateDict merged;
+    for (size_t c = 0; c < roots.size(); ++c) {
+      for (auto& entry : fsdp::sharded_state_dict(roots[c])) merged.push_back(std::move(entry));
+      for (auto& entry : fsdp::sharded_optimizer_state_dict(roots[c], *optims[c])) merged.push_back(std::move(entry));
+    }
+    fsdp::dcp::save_state(dir, merged, {}, fsdp::dcp::SaveOptions().communicator(world_comm));
+  }
+  // Resumed as the whole model sharded over every rank: 2 more steps, as the whole model trained.
+  torch::manual_seed(7);
+  GPT whole(config(layers));
+  auto units = fsdp::fully_shard_tree(*whole, fsdp::WrapPolicy::module_types<fsdp::examples::BlockImpl>(),
+                                      fsdp::FullyShardOptions().communicator(world_comm));
+  torch::optim::AdamW optim(whole->parameters(), adamw());
+  fsdp::dcp::load(dir, units.back(), &optim, nullptr, fsdp::dcp::LoadOptions().communicator(world_comm));
+  check_against(whole, units.back(), reference(2, rows, layers));
+  for (int step = 2; step < 4; ++step) {
+    const auto [x, y] = batch(step, rows);
+    const int64_t mine = rows / w;
+    fsdp::examples::next_token_loss(whole(x.narrow(0, world.rank() * mine, mine)), y.narrow(0, world.rank() * mine, mine))
+        .backward();
+    optim.step();
+    optim.zero_grad();
+  }
+  check_against(whole, units.back(), reference(4, rows, layers));
 }
