@@ -5,8 +5,8 @@
 # size 2, per-rank memory counted by a CPU allocator (the peak over a whole training step for local
 # training and for fully_shard against the ZeRO-3 expectation, and the steady state), and bytes
 # communicated per step, each against its formula. Prints the tables, writes JSON and renders a PNG
-# chart (tools/bench/README.md says what each figure measures). Then the checkpoint benchmark
-# (tools/checkpoint_benchmark.sh: save/load throughput and memory next to dd and Python DCP).
+# chart (tools/bench/README.md says what each figure measures), the checkpoint benchmark's summary
+# (tools/checkpoint_benchmark.sh) before them, and the targets (checkpoint load rows included) last.
 #
 #   tools/benchmark.sh [--out PATH.json] [--quick]
 #
@@ -101,7 +101,7 @@ else
 fi
 init="$outdir/init.pt"
 rm -f "$outdir"/cpp_w1.json "$outdir"/cpp_w2.json "$outdir"/py_w1.json "$outdir"/py_w2.json \
-      "$outdir"/py_check.json
+      "$outdir"/py_check.json "$outdir"/checkpoint.txt
 
 start=$SECONDS
 log "load average before the runs: $(cut -d' ' -f1-3 /proc/loadavg) (2 cores, shared)"
@@ -127,17 +127,23 @@ phase "PyTorch W=2" "$py" tools/bench/torch_bench.py --init "$init" --out "$outd
   --variants fsdp2,fsdp1 "${py2_steps[@]}"
 
 log "runs took $((SECONDS - start)) s; load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
-"$py" tools/bench/report.py --dir "$outdir" --out "$out" --png "$png"
+
+# Checkpoints: fsdp::dcp save/load throughput and memory against dd and Python DCP (its own table,
+# printed here; report.py reads its summary for the load targets, so it runs before the report).
+log "checkpoints: tools/checkpoint_benchmark.sh -> $outdir/checkpoint.txt"
+if ! tools/checkpoint_benchmark.sh --repeats "$([ "$quick" = 1 ] && echo 1 || echo 3)" --out "$outdir/checkpoint.txt"; then
+  log "the checkpoint benchmark failed: its targets are reported as not run"
+  rm -f "$outdir/checkpoint.txt"
+fi
+
+# replicate against fully_shard NO_SHARD on the example GPT at world size 2 (its own lines).
+log "replicate vs NO_SHARD: tools/replicate_benchmark.sh -> $outdir/replicate.txt"
+tools/replicate_benchmark.sh --steps "$([ "$quick" = 1 ] && echo 8 || echo 30)" | tee "$outdir/replicate.txt"
+
+# The tables and the targets last (the checkpoint rows from its summary).
+"$py" tools/bench/report.py --dir "$outdir" --out "$out" --png "$png" --checkpoint "$outdir/checkpoint.txt"
 echo "== machine load during each run (figures of a BUSY run were taken beside other work) =="
 printf '%s' "$load_notes" | tee "$outdir/load.txt"
 if grep -q '^BUSY' "$outdir/load.txt"; then
   echo "WARNING: some figures above were taken while other processes used the CPU (BUSY lines): rerun on a quiet machine"
 fi
-
-# Checkpoints: fsdp::dcp save/load throughput and memory against dd and Python DCP (its own table).
-log "checkpoints: tools/checkpoint_benchmark.sh -> $outdir/checkpoint.txt"
-tools/checkpoint_benchmark.sh --repeats "$([ "$quick" = 1 ] && echo 1 || echo 3)" --out "$outdir/checkpoint.txt"
-
-# replicate against fully_shard NO_SHARD on the example GPT at world size 2 (its own lines).
-log "replicate vs NO_SHARD: tools/replicate_benchmark.sh -> $outdir/replicate.txt"
-tools/replicate_benchmark.sh --steps "$([ "$quick" = 1 ] && echo 8 || echo 30)" | tee "$outdir/replicate.txt"

@@ -3,10 +3,12 @@
 sizes 1 and 2, torch_bench --check), prints the tables, checks the targets, writes one JSON and
 renders a PNG chart.
 
-    python3 tools/bench/report.py --dir DIR --out results.json --png results.png
+    python3 tools/bench/report.py --dir DIR --out results.json --png results.png [--checkpoint FILE]
 
 DIR holds cpp_w1.json, cpp_w2.json, py_w1.json, py_w2.json and py_check.json (any may be missing;
-what depends on it is reported as missing).
+what depends on it is reported as missing). --checkpoint: the summary table of
+tools/checkpoint_benchmark.sh (its --out FILE, written by tools/bench/checkpoint_report.py), for the
+checkpoint load targets; a missing file makes those rows say that the checkpoint phase did not run.
 
 Definitions (every time is a median over the steps after warm-up):
   step time          zero_grad + forward + backward + AdamW step; at world size 2 the slower rank's
@@ -54,6 +56,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 
@@ -62,6 +65,9 @@ STEP_TIME_TARGET = 0.05       # within 5% of local training (compute-bound model
 FLAT_OPTIM_TINY_TARGET = 0.3  # fsdp::optim::AdamW's step at most 0.3x torch::optim's (100-unit model)
 FLAT_OPTIM_GPT_TARGET = 1.0   # and not slower on the GPT
 MEMORY_TARGET = 0.10          # within 10% of the formula
+W2_STEP_TARGET = 1.05         # GPT step at W=2 at most 1.05x the W=1 local step
+WARM_LOAD_TARGET = 1.0        # fsdp::dcp warm load at least 1.0x Python DCP's (its faster reader)
+COLD_LOAD_TARGET = 0.90       # fsdp::dcp cold load at least 90% of dd's cold read
 LOSS_TOLERANCE = 1e-5         # first losses, this project vs PyTorch
 IN_FLIGHT_LIMIT = 2           # the all-gather check's in-flight limit (the runtime's default)
 REDUCE_IN_FLIGHT = 2          # ZeRO-3 expectation: unsharded gradients of 2 units being reduced
@@ -122,6 +128,26 @@ def fmt_bytes(b):
         if abs(b) >= scale:
             return f"{b / scale:.2f} {unit}"
     return f"{int(b)} B"
+
+
+def checkpoint_rows(path):
+    """{(operation, W): row} from checkpoint_report.py's table, or None without the file. A row:
+    GB/s, vs_disk (fraction or None), python_gbs, vs_python (or None), loaded (marked '*')."""
+    if not path or not os.path.exists(path):
+        return None
+    rows = {}
+    for line in open(path):
+        m = re.match(r"^(load|save)(\([^)]*\))?\s+(\d+)\s+([0-9.]+)\s+(\S+)\s+(\S+)\s+(\S+)(.*)$", line.rstrip())
+        if not m:
+            continue
+        vs_disk, py, vs_py = m.group(5), m.group(6), m.group(7)
+        rows[(m.group(1) + (m.group(2) or ""), int(m.group(3)))] = {
+            "gbs": float(m.group(4)),
+            "vs_disk": float(vs_disk.rstrip("%")) / 100 if vs_disk.endswith("%") else None,
+            "python_gbs": float(py) if py != "n/a" else None,
+            "vs_python": float(vs_py.rstrip("x")) if vs_py != "n/a" else None,
+            "loaded": line.rstrip().endswith("*")}
+    return rows
 
 
 def table(headers, rows):
@@ -222,6 +248,7 @@ def main():
     p.add_argument("--dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--png", required=True)
+    p.add_argument("--checkpoint", default=None)
     args = p.parse_args()
     d = args.dir
     cpp1, cpp2 = load(os.path.join(d, "cpp_w1.json")), load(os.path.join(d, "cpp_w2.json"))
@@ -581,6 +608,44 @@ def main():
                v <= STEP_TIME_TARGET,
                f"{100 * v:+.1f}% ({gpt['cpp:fsdp']['step_ms']:.1f} ms vs {gpt['cpp:local']['step_ms']:.1f} ms; "
                f"process CPU time {100 * gpt['cpp:fsdp']['cpu_vs_local']:+.1f}%)")
+    gpt2 = results["models"].get("gpt", {}).get("world2", {}).get("cpp:fsdp")
+    if gpt2 and "cpp:local" in gpt:
+        local = gpt["cpp:local"]
+        ratio = gpt2["step_ms"] / local["step_ms"]
+        cpu2 = gpt2.get("cpu_ms_slowest_rank")
+        cpu_text = (f"; CPU {cpu2:.1f} ms/rank vs {local['cpu_ms']:.1f} ms, {cpu2 / local['cpu_ms']:.2f}x"
+                    if cpu2 else "")
+        target(f"GPT step at W=2 within {W2_STEP_TARGET:.2f}x of the W=1 local step (fully_shard, 2 processes, "
+               "slower rank's step vs local training in one process)",
+               ratio <= W2_STEP_TARGET,
+               f"{ratio:.2f}x ({gpt2['step_ms']:.1f} ms vs {local['step_ms']:.1f} ms{cpu_text})")
+    ckpt = checkpoint_rows(args.checkpoint)
+    warm_name = (f"warm dcp load >= {WARM_LOAD_TARGET:.1f}x Python DCP at W=1 / W=2 (fsdp::dcp load, page cache "
+                 "warm, vs Python DCP's faster reader; tools/checkpoint_benchmark.sh)")
+    cold_name = (f"cold dcp load >= {100 * COLD_LOAD_TARGET:.0f}% of dd at W=1 / W=2 (fsdp::dcp load, page cache "
+                 "dropped, vs dd's cold read of the same folder; tools/checkpoint_benchmark.sh)")
+    if ckpt is None:
+        why = "not measured: the checkpoint phase did not run (no tools/checkpoint_benchmark.sh summary)"
+        target(warm_name, None, why)
+        target(cold_name, None, why)
+    else:
+        results["checkpoint"] = {f"{op} W={w}": r for (op, w), r in ckpt.items()}
+        for name, op, key, limit, fmt in (
+                (warm_name, "load(page cache warm)", "vs_python", WARM_LOAD_TARGET,
+                 lambda r: f"{r['vs_python']:.2f}x ({r['gbs']:.2f} vs {r['python_gbs']:.2f} GB/s)"),
+                (cold_name, "load(cold)", "vs_disk", COLD_LOAD_TARGET,
+                 lambda r: f"{100 * r['vs_disk']:.0f}% ({r['gbs']:.2f} GB/s)")):
+            parts, verdicts = [], []
+            for w in (1, 2):
+                r = ckpt.get((op, w))
+                if r is None or r[key] is None:
+                    parts.append(f"W={w} not measured")
+                    verdicts.append(None)
+                    continue
+                parts.append(f"W={w} {fmt(r)}" + (" [load average > 2.5]" if r["loaded"] else ""))
+                verdicts.append(r[key] >= limit)
+            # MISSED if either world size misses; NOT RUN if one was not measured and none missed.
+            target(name, False if False in verdicts else None if None in verdicts else True, "; ".join(parts))
     flat_rows = []
     for model, limit in (("tiny", FLAT_OPTIM_TINY_TARGET), ("gpt", FLAT_OPTIM_GPT_TARGET)):
         w1 = results["models"].get(model, {}).get("world1", {})
@@ -622,7 +687,8 @@ def main():
 
     say("== targets ==")
     say(table(["", "target", "measured"],
-              [["MET" if t["met"] else "MISSED", t["target"], t["measured"]] for t in targets]))
+              [["NOT RUN" if t["met"] is None else "MET" if t["met"] else "MISSED", t["target"], t["measured"]]
+               for t in targets]))
 
     print("\n".join(text))
     results["report_text"] = "\n".join(text)
@@ -729,7 +795,7 @@ def render(results, path):
     ax.set_title("GPT loss per step (same weights and data)", fontsize=10)
     ax.set_xlabel("step")
     ax.legend(fontsize=7)
-    met = sum(t["met"] for t in results["targets"])
+    met = sum(bool(t["met"]) for t in results["targets"])
     fig.suptitle(f"fully_shard (LibTorch) vs local training vs PyTorch FSDP2/FSDP1, CPU, "
                  f"1 thread per rank: {met}/{len(results['targets'])} targets met", fontsize=12)
     fig.tight_layout()
