@@ -29,16 +29,6 @@ int64_t order_hash(const std::vector<int64_t>& positions) {
   return static_cast<int64_t>(h >> 2);
 }
 
-// FNV-1a over a string; 62 bits, as order_hash.
-int64_t text_hash(const std::string& text) {
-  uint64_t h = 1469598103934665603ULL;
-  for (unsigned char c : text) {
-    h ^= c;
-    h *= 1099511628211ULL;
-  }
-  return static_cast<int64_t>(h >> 2);
-}
-
 std::string name_of(const FSDPState& unit) { return unit.fqn().empty() ? "<root>" : unit.fqn(); }
 
 std::string unit_list(const std::vector<FSDPState*>& units) {
@@ -78,7 +68,8 @@ void agree_backward_reach(RootContext& context) {
     const int64_t here = it.may_get_gradients() && it.reached_in_pass([&](torch::autograd::Node* node) { return runs_in_current_pass(context, node); }) ? 1 : 0;
     f[i] = here;
     f[n + i] = -here;
-    const int64_t controls = text_hash(units[i]->controls_string());
+    // Kept by the unit's setters (FSDPState::controls_hash): no line formatted per unit per pass.
+    const int64_t controls = units[i]->controls_hash();
     f[2 * n + 2 + i] = controls;
     f[3 * n + 2 + i] = -controls;
   }

@@ -48,6 +48,7 @@ FSDPState::FSDPState(std::vector<torch::nn::Module*> modules, std::string fqn, F
   for (const auto& h : handles_) {
     for (const auto& p : h->params()) managed_.insert(p.param.unsafeGetTensorImpl());
   }
+  refresh_controls_hash();
 }
 
 std::vector<std::unique_ptr<FlatParamHandle>> FSDPState::make_handles(
@@ -114,11 +115,13 @@ void FSDPState::set_gradient_divide_factor(std::optional<double> factor) {
               "FSDPModule::set_gradient_divide_factor: unit '", fqn_, "' got the factor ", *factor,
               "; expected a finite number > 0 (1.0: the sum over the data-parallel ranks, undivided)");
   gradient_divide_factor_ = factor;
+  refresh_controls_hash();
   for (auto& h : handles_) h->set_gradient_divide_factor(factor);
 }
 
 void FSDPState::set_requires_all_reduce(bool all_reduce) {
   requires_all_reduce_ = all_reduce;
+  refresh_controls_hash();
   for (auto& h : handles_) h->set_requires_all_reduce(all_reduce);
 }
 
@@ -167,6 +170,16 @@ std::string FSDPState::controls_string() const {
   s << ", all_gather_codec " << codec_name(config_.options.all_gather_codec()) << ", reduce_codec "
     << codec_name(config_.options.reduce_codec());
   return s.str();
+}
+
+void FSDPState::refresh_controls_hash() {
+  // FNV-1a, 62 bits (see controls_hash).
+  uint64_t h = 1469598103934665603ULL;
+  for (unsigned char c : controls_string()) {
+    h ^= c;
+    h *= 1099511628211ULL;
+  }
+  controls_hash_ = static_cast<int64_t>(h >> 2);
 }
 
 bool FSDPState::unshard_in_flight() const {

@@ -5,6 +5,7 @@
 // shared context. The runtime (fsdp/runtime.h, fsdp/backward.h) drives it from the forward hooks
 // and from autograd.
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -152,7 +153,10 @@ class FSDPState final : public contract::ApiState {
   /// Gradient accumulation: without sync, gradients accumulate unsharded and no reduce-scatter is
   /// issued; the next backward with sync reduces the sum.
   bool requires_gradient_sync() const { return requires_gradient_sync_; }
-  void set_requires_gradient_sync(bool sync) { requires_gradient_sync_ = sync; }
+  void set_requires_gradient_sync(bool sync) {
+    requires_gradient_sync_ = sync;
+    refresh_controls_hash();
+  }
   /// FSDP2's set_gradient_divide_factor: the unit's reduced gradients are the sum over the
   /// data-parallel ranks divided by `factor` (finite, > 0) instead of by their number; nullopt:
   /// that number. Passed to every handle ([Note: gradient divide factor and replicate partial] in
@@ -174,20 +178,33 @@ class FSDPState final : public contract::ApiState {
   /// makes the parameters full-shape views of the freed unsharded buffer, so autograd still
   /// accumulates their gradients in place ([Note: unshard in backward] in fsdp/backward.cc).
   bool unshard_in_backward() const { return unshard_in_backward_; }
-  void set_unshard_in_backward(bool unshard) { unshard_in_backward_ = unshard; }
+  void set_unshard_in_backward(bool unshard) {
+    unshard_in_backward_ = unshard;
+    refresh_controls_hash();
+  }
   /// The controls above (gradient sync, divide factor, replicate all-reduce, unshard and reshard
   /// in backward) as one line, for the ranks to compare ([Note: backward reach]).
   std::string controls_string() const;
+  /// A 62-bit FNV-1a hash of controls_string() (its negation stays representable in a MAX
+  /// all-reduce), kept up to date by the setters: every backward pass compares it across the
+  /// ranks, and formatting the line for every unit in every pass would be a per-step cost.
+  int64_t controls_hash() const { return controls_hash_; }
 
   /// FSDP2's set_is_last_backward, read on the root: whether the next backward pass ends the
   /// iteration ([Note: backward passes within an iteration] in fsdp/backward.cc).
   bool is_last_backward() const { return is_last_backward_; }
-  void set_is_last_backward(bool last) { is_last_backward_ = last; }
+  void set_is_last_backward(bool last) {
+    is_last_backward_ = last;
+    refresh_controls_hash();
+  }
 
   /// Whether backward reshards the unit (false keeps it unsharded for the next forward while
   /// accumulating without sync).
   bool reshard_after_backward() const { return reshard_after_backward_; }
-  void set_reshard_after_backward(bool reshard) { reshard_after_backward_ = reshard; }
+  void set_reshard_after_backward(bool reshard) {
+    reshard_after_backward_ = reshard;
+    refresh_controls_hash();
+  }
   /// Whether the unit's parameters stay unsharded after its backward: only while accumulating
   /// without sync with set_reshard_after_backward(false); a backward with sync always reshards.
   /// Never with set_unshard_in_backward(false): its backward's parameters hold no data.
@@ -210,6 +227,9 @@ class FSDPState final : public contract::ApiState {
   const HiddenParams& hidden_params() const { return hidden_params_; }
 
  private:
+  // Recomputes controls_hash_ from controls_string() (after any control changed).
+  void refresh_controls_hash();
+
   std::vector<torch::nn::Module*> modules_;
   std::string fqn_;
   FSDPConfig config_;
@@ -228,6 +248,7 @@ class FSDPState final : public contract::ApiState {
   bool reshard_after_backward_ = true;
   bool is_last_backward_ = true;
   bool unshard_in_backward_ = true;
+  int64_t controls_hash_ = 0;  // controls_hash(): set by the constructor and each control's setter
   bool full_params_summoned_ = false;
   UnitIteration iteration_;
   HiddenParams hidden_params_;
