@@ -7,21 +7,24 @@
 #     HuggingFaceStorageWriter).
 # Loads are measured cold (page cache dropped, when this user may: root) and warm.
 #
-#   tools/checkpoint_benchmark.sh [--size-mb 300] [--dir DIR] [--repeats 3] [--out FILE]
+#   tools/checkpoint_benchmark.sh [--size-mb 300] [--dir DIR] [--repeats 3] [--out FILE] [--bin FILE]
 #
+# --bin: a checkpoint_bench already built (e.g. a copy of an earlier commit's, to compare two
+# versions under the same conditions) instead of building //tools/bench:checkpoint_bench.
 # DIR (default: a fresh folder under /var/tmp, on the disk rather than a tmpfs) is removed after.
 # The 1-minute load average is recorded before and after each group of measurements; the report
 # marks a group during which it was above 2.5 (the benchmark runs at most 2 busy processes, so
 # more means other work shared the CPUs and the figures are lower than the machine's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-size_mb=300; dir=""; repeats=3; out=""
+size_mb=300; dir=""; repeats=3; out=""; bin=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --size-mb) size_mb="$2"; shift 2 ;;
     --dir) dir="$2"; shift 2 ;;
     --repeats) repeats="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
+    --bin) bin="$2"; shift 2 ;;
     -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "checkpoint_benchmark.sh: unknown argument '$1'" >&2; exit 2 ;;
   esac
@@ -37,11 +40,16 @@ mkdir -p "$dir"
 trap 'rm -rf "$work" "$dir"' EXIT
 results="$work/results.txt"
 
-log "building //tools/bench:checkpoint_bench (-c opt)"
-if ! bazel build -c opt --symlink_prefix=/ //tools/bench:checkpoint_bench >"$work/build.log" 2>&1; then
-  cat "$work/build.log" >&2; exit 1
+if [ -z "$bin" ]; then
+  log "building //tools/bench:checkpoint_bench (-c opt)"
+  if ! bazel build -c opt --symlink_prefix=/ //tools/bench:checkpoint_bench >"$work/build.log" 2>&1; then
+    cat "$work/build.log" >&2; exit 1
+  fi
+  bin="$(bazel info -c opt --symlink_prefix=/ bazel-bin 2>/dev/null)/tools/bench/checkpoint_bench"
+else
+  bin="$(realpath "$bin")"
+  log "using $bin"
 fi
-bin="$(bazel info -c opt --symlink_prefix=/ bazel-bin 2>/dev/null)/tools/bench/checkpoint_bench"
 
 drop_caches() { sync; { echo 3 > /proc/sys/vm/drop_caches; } 2>/dev/null; }
 # dd's last line: "... bytes ... copied, S s, R GB/s"; prints GB/s (decimal) from bytes / seconds.
