@@ -21,7 +21,8 @@ cd "$(dirname "$0")/.."
 # ASan+UBSan (CI's set, chosen to fit its time budget): the contract, engine-layout and storage unit
 # tests, the MPI backend on 1-4 ranks, the thread backend, and three multi-rank end-to-end tests:
 # training parity (the whole engine), activation checkpointing, and tensor parallel x fully_shard
-# (autograd collectives, meta-device pieces, about 2 minutes). Also clean, left out for time:
+# (autograd collectives, meta-device pieces, about 2 minutes); point-to-point send/recv and the
+# pipeline schedules over them (every schedule, fully_shard inside stages). Also clean, left out for time:
 # //tests/composable:fully_shard_test, :replicate_test, //tests/checkpoint:state_dict_test,
 # :distributed_checkpoint_test and the rest of //tests/checkpoint/... (1-3 minutes each).
 # `tools/sanitize.sh asan -- //tests/... -//tests/python/... -//tests/gpu/...` runs every C++ test.
@@ -35,6 +36,8 @@ ASAN_TARGETS=(
   //tests/composable:fully_shard_training_test
   //tests/composable:activation_checkpoint_test
   //tests/composable:tensor_parallel_test
+  //tests/comm:point_to_point_test
+  //tests/pipeline:pipeline_schedule_test
 )
 
 # TSan: the tests that run our own threads: the MPI progress thread (mpi_backend_test, and every
