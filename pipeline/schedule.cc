@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
-#include <set>
 #include <sstream>
+#include <tuple>
 #include <utility>
 
 #include <ATen/ATen.h>

@@ -66,34 +66,10 @@ def split_blocks_evenly(n_blocks, n_stages):
 def build_stage(a, stage, n_stages):
     import torch
     import torch.nn as nn
-    import torch.nn.functional as F
 
-    class Attention(nn.Module):
-        def __init__(self, d, heads):
-            super().__init__()
-            self.heads = heads
-            self.qkv = nn.Linear(d, 3 * d)
-            self.proj = nn.Linear(d, d)
-
-        def forward(self, x):
-            b, t, d = x.shape
-            q, k, v = self.qkv(x).split(d, dim=2)
-            sh = lambda z: z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
-            o = F.scaled_dot_product_attention(sh(q), sh(k), sh(v), is_causal=True)
-            return self.proj(o.transpose(1, 2).contiguous().view(b, t, d))
-
-    class Block(nn.Module):
-        def __init__(self, d, heads):
-            super().__init__()
-            self.ln1 = nn.LayerNorm(d)
-            self.attn = Attention(d, heads)
-            self.ln2 = nn.LayerNorm(d)
-            self.fc = nn.Linear(d, 4 * d)
-            self.proj = nn.Linear(4 * d, d)
-
-        def forward(self, x):
-            x = x + self.attn(self.ln1(x))
-            return x + self.proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+    # The main benchmark's GPT block (tools/bench/torch_bench.py): the same model as the C++ side.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from torch_bench import Block
 
     class Stage(nn.Module):
         def __init__(self):
@@ -103,7 +79,7 @@ def build_stage(a, stage, n_stages):
             if self.first:
                 self.tok_emb = nn.Embedding(a.vocab, a.d_model)
                 self.pos_emb = nn.Embedding(a.context, a.d_model)
-            self.blocks = nn.ModuleList(Block(a.d_model, a.heads) for _ in range(begin, end))
+            self.blocks = nn.ModuleList(Block(a.d_model, a.heads, 4) for _ in range(begin, end))
             if self.last:
                 self.ln_f = nn.LayerNorm(a.d_model)
                 self.head = nn.Linear(a.d_model, a.vocab, bias=False)
