@@ -1,5 +1,6 @@
 #include "fsdp_cpp/comm/communicator.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include <ATen/ops/empty.h>
@@ -59,6 +60,35 @@ Communicator::Communicator(c10::intrusive_ptr<c10d::Backend> backend, at::Device
   TORCH_CHECK(backend_, "fsdp comm: Communicator needs a backend, got null");
   rank_ = backend_->getRank();
   size_ = backend_->getSize();
+}
+
+std::optional<std::vector<int>> Communicator::world_ranks() const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  return world_ranks_;
+}
+
+std::optional<int> Communicator::world_rank() const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  if (!world_ranks_) return std::nullopt;
+  return (*world_ranks_)[rank_];
+}
+
+void Communicator::set_world_ranks(std::vector<int> ranks) {
+  auto list = [&] {
+    std::string out;
+    for (int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
+    return "[" + out + "]";
+  };
+  TORCH_CHECK(static_cast<int>(ranks.size()) == size_, "fsdp comm: Communicator::set_world_ranks: expected ",
+              size_, " world ranks (one per rank of this group), found ", ranks.size(), ": ", list());
+  std::vector<int> sorted = ranks;
+  std::sort(sorted.begin(), sorted.end());
+  TORCH_CHECK(sorted.empty() || sorted.front() >= 0, "fsdp comm: Communicator::set_world_ranks: expected "
+              "non-negative world ranks, found ", list());
+  TORCH_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
+              "fsdp comm: Communicator::set_world_ranks: expected distinct world ranks, found ", list());
+  std::lock_guard<std::mutex> guard(mutex_);
+  world_ranks_ = std::move(ranks);
 }
 
 PendingCollective Communicator::record_issue(c10::intrusive_ptr<c10d::Work> work,

@@ -12,6 +12,7 @@
 #include <array>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -90,6 +91,23 @@ class Communicator {
   at::Device device() const { return device_; }
   const c10::intrusive_ptr<c10d::Backend>& backend() const { return backend_; }
 
+  /// The world rank of each rank of this group: `world_ranks()->at(g)` is the rank, in the job's
+  /// world, of group rank g. Known for the world communicator init_process_group makes (0 .. W-1)
+  /// and for every group a DeviceMesh makes (its row-major layout gives them; a mesh created over a
+  /// communicator that does not know its own world ranks numbers them in that communicator).
+  /// std::nullopt for a communicator made directly from a backend, which cannot tell. Errors that
+  /// several ranks agree on name the lowest world rank (comm/agreement.h).
+  ///
+  ///   auto mesh = fsdp::comm::DeviceMesh::create(*pg.comm, {2, 2}, {"dp", "tp"});
+  ///   mesh->group("dp")->world_ranks();   // rank 1: {1, 3}
+  std::optional<std::vector<int>> world_ranks() const;
+  /// The world rank of this rank, when world_ranks() is known.
+  std::optional<int> world_rank() const;
+  /// Sets world_ranks() (for the makers of communicators: init_process_group, DeviceMesh, a
+  /// backend's own group splitter). `ranks` must hold size() distinct non-negative ranks; a
+  /// c10::Error names what was expected and found otherwise.
+  void set_world_ranks(std::vector<int> ranks);
+
   PendingCollective all_gather_into_tensor(at::Tensor output, at::Tensor input,
                                            std::string tag = {});
   PendingCollective reduce_scatter_tensor(at::Tensor output, at::Tensor input,
@@ -154,6 +172,7 @@ class Communicator {
   int rank_;
   int size_;
   mutable std::mutex mutex_;
+  std::optional<std::vector<int>> world_ranks_;
   std::array<CollectiveStats, kNumCollectiveKinds> stats_{};
   uint64_t next_id_ = 0;       // trace ids: every operation
   uint64_t collectives_ = 0;   // sequence_number(): collectives only

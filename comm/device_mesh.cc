@@ -25,11 +25,11 @@ std::string join(const std::vector<std::string>& values) {
 
 // The ranks whose coordinates outside `dims` equal this rank's form one group, ranked row-major
 // over `dims`: color = row-major index over the other dimensions, key = index over `dims`.
-std::shared_ptr<Communicator> split_group(const c10::intrusive_ptr<c10d::Backend>& world,
-                                          at::Device device, const std::vector<int>& sizes,
-                                          const std::vector<int>& coords,
-                                          const std::vector<int>& dims, const std::string& label,
-                                          const char* api) {
+std::shared_ptr<Communicator> split_backend(const c10::intrusive_ptr<c10d::Backend>& world,
+                                            at::Device device, const std::vector<int>& sizes,
+                                            const std::vector<int>& coords,
+                                            const std::vector<int>& dims, const std::string& label,
+                                            const char* api) {
   if (world->getSize() == 1) return std::make_shared<Communicator>(world, device);
   int color = 0, key = 0, size = 1;
   for (int d = 0; d < static_cast<int>(sizes.size()); ++d) {
@@ -52,6 +52,41 @@ std::shared_ptr<Communicator> split_group(const c10::intrusive_ptr<c10d::Backend
   options.timeout = mpi.timeout();
   options.name = mpi.name() + "/" + label + " group " + std::to_string(color);
   return std::make_shared<Communicator>(mpi.split(color, key, options), device);
+}
+
+// The ranks of the group over `dims` of the rank at `coords`, in group-rank order (row-major over
+// `dims`), as ranks of the mesh's world mapped through `world_ranks` (that communicator's own world
+// ranks) when it knows them.
+std::vector<int> group_world_ranks(const std::vector<int>& sizes, const std::vector<int>& coords,
+                                   const std::vector<int>& dims,
+                                   const std::optional<std::vector<int>>& world_ranks) {
+  int size = 1;
+  for (int d : dims) size *= sizes[d];
+  std::vector<int> ranks(size);
+  for (int key = 0; key < size; ++key) {
+    std::vector<int> c = coords;
+    int rest = key;
+    for (int i = static_cast<int>(dims.size()) - 1; i >= 0; --i) {
+      c[dims[i]] = rest % sizes[dims[i]];
+      rest /= sizes[dims[i]];
+    }
+    int rank = 0;
+    for (size_t d = 0; d < sizes.size(); ++d) rank = rank * sizes[d] + c[d];
+    ranks[key] = world_ranks ? (*world_ranks)[rank] : rank;
+  }
+  return ranks;
+}
+
+// A group of the mesh (split_backend) with its world ranks set.
+std::shared_ptr<Communicator> split_group(const c10::intrusive_ptr<c10d::Backend>& world,
+                                          at::Device device, const std::vector<int>& sizes,
+                                          const std::vector<int>& coords,
+                                          const std::vector<int>& dims, const std::string& label,
+                                          const char* api,
+                                          const std::optional<std::vector<int>>& world_ranks) {
+  auto made = split_backend(world, device, sizes, coords, dims, label, api);
+  made->set_world_ranks(group_world_ranks(sizes, coords, dims, world_ranks));
+  return made;
 }
 
 }  // namespace
@@ -83,6 +118,7 @@ std::shared_ptr<DeviceMesh> DeviceMesh::create(const Communicator& world, std::v
   mesh->names_ = std::move(names);
   mesh->world_rank_ = world.rank();
   mesh->world_backend_ = world.backend();
+  mesh->world_world_ranks_ = world.world_ranks();
   mesh->device_ = world.device();
   const int n = mesh->ndim();
   mesh->coordinates_.assign(n, 0);
@@ -97,7 +133,7 @@ std::shared_ptr<DeviceMesh> DeviceMesh::create(const Communicator& world, std::v
     mesh->dims_in_full_.push_back(d);
     mesh->groups_.push_back(split_group(world.backend(), world.device(), mesh->sizes_,
                                         mesh->coordinates_, {d}, mesh->names_[d],
-                                        "DeviceMesh::create"));
+                                        "DeviceMesh::create", mesh->world_world_ranks_));
   }
   return mesh;
 }
@@ -140,7 +176,7 @@ std::shared_ptr<Communicator> DeviceMesh::flattened_group(const std::vector<std:
   }
   if (dims.size() == 1) return group(names[0]);
   return split_group(world_backend_, device_, full_sizes_, full_coordinates_, dims, label,
-                     "DeviceMesh::flattened_group");
+                     "DeviceMesh::flattened_group", world_world_ranks_);
 }
 
 std::shared_ptr<DeviceMesh> DeviceMesh::submesh(const std::vector<std::string>& names) const {
@@ -158,6 +194,7 @@ std::shared_ptr<DeviceMesh> DeviceMesh::submesh(const std::vector<std::string>& 
   }
   sub->world_rank_ = world_rank_;
   sub->world_backend_ = world_backend_;
+  sub->world_world_ranks_ = world_world_ranks_;
   sub->device_ = device_;
   sub->full_sizes_ = full_sizes_;
   sub->full_coordinates_ = full_coordinates_;

@@ -18,12 +18,17 @@
 // size S on W ranks, rank r belongs to shard group r / S (ranks S*(r/S) .. S*(r/S)+S-1, typically
 // the ranks of one node) and to replicate group r % S (ranks r % S, r % S + S, ...).
 //
+// Every group a mesh makes knows its members' world ranks (Communicator::world_ranks(), from the
+// row-major layout; ranks of the communicator the mesh was created from, mapped to the world when
+// that communicator knows its own).
+//
 // Creating a mesh and a flattened group are collectives over the world (every rank calls them in
 // the same order). Groups are split from the world's backend: MpiBackend::split on MPI; on NCCL a
 // new ProcessGroupNCCL per group, rendezvousing through the world's store ([Note: NCCL groups] in
 // comm/nccl_backend.cc; compiled, not yet run on a GPU here); other backends are refused.
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -91,6 +96,8 @@ class DeviceMesh {
   int world_rank_ = 0;
   // The world's backend (for flattened groups); null in a submesh whose parent is gone.
   c10::intrusive_ptr<c10d::Backend> world_backend_;
+  // The world ranks of the communicator the mesh was created from, when it knows them.
+  std::optional<std::vector<int>> world_world_ranks_;
   at::Device device_{at::kCPU};
   // Dimensions of this mesh inside the mesh the world was laid out on (for flattened groups of a
   // submesh): full_sizes_/full_coordinates_ describe that original layout.

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <vector>
 
 #include <ATen/Context.h>
 #include <c10/util/Exception.h>
@@ -111,6 +112,9 @@ ProcessGroup init_process_group(InitOptions options) {
     backend = factory(group.launch, request);
   }
   group.comm = std::make_shared<Communicator>(std::move(backend), group.device);
+  std::vector<int> ranks(group.comm->size());
+  for (int r = 0; r < group.comm->size(); ++r) ranks[r] = r;
+  group.comm->set_world_ranks(std::move(ranks));  // the world: group rank r is world rank r
 
   std::lock_guard<std::mutex> guard(g_default_lock);
   g_default = group;

@@ -1,6 +1,7 @@
 // init_process_group() under mpirun: the launcher is recognised, the CPU picks the MPI backend, and
 // the default process group communicates.
 #include <cstdlib>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -17,6 +18,11 @@ FSDP_RANKS_TEST_CASE("init_process_group reads mpirun's variables and picks MPI 
   CHECK(group.comm->backend()->getBackendName() == "mpi");
   CHECK(&fsdp::comm::default_process_group().comm->backend() != nullptr);
   CHECK(fsdp::comm::default_process_group().comm == group.comm);
+  // The world communicator knows its world ranks: group rank r is world rank r.
+  std::vector<int> ranks(group.launch.world_size);
+  for (int r = 0; r < group.launch.world_size; ++r) ranks[r] = r;
+  CHECK(group.comm->world_ranks() == ranks);
+  CHECK(group.comm->world_rank() == group.launch.rank);
   at::Tensor t = at::full({3}, group.launch.rank, at::kLong);
   group.comm->all_reduce(t, c10d::ReduceOp::MAX).wait();
   CHECK(t.equal(at::full({3}, group.launch.world_size - 1, at::kLong)));
