@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -12,6 +14,8 @@
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/dropout.h>
 #include <ATen/ops/gelu.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/multinomial.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/softmax.h>
@@ -19,9 +23,18 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
+#include "fsdp_cpp/composable/tp_random.h"
+
 namespace fsdp::examples {
 
 namespace {
+
+// Dropout of an activation of the residual stream: replicated over the tensor-parallel group, or
+// this rank's positions (dimension 1) with sequence parallelism ([Note: tensor-parallel RNG]).
+at::Tensor residual_dropout(const at::Tensor& x, double p, bool training, const DropoutLayout& layout) {
+  return tp::dropout(x, p, training, layout.sequence_parallel ? std::optional<int64_t>(1) : std::nullopt,
+                     layout.group);
+}
 
 // "blocks 2 .. 3" or "no blocks": what a (pruned) block list holds, for messages.
 std::string blocks_text(const contract::ModuleList& blocks) {
@@ -66,12 +79,22 @@ at::Tensor CausalSelfAttentionImpl::forward(at::Tensor x) {
     return t.view({batch, time, local_heads, head_dim_}).transpose(1, 2);
   };
   const auto parts = qkv_out.split(width, /*dim=*/2);
-  at::Tensor y = at::scaled_dot_product_attention(heads(parts[0]), heads(parts[1]),
-                                                  heads(parts[2]), /*attn_mask=*/{},
-                                                  is_training() ? dropout_ : 0.0,
-                                                  /*is_causal=*/true);
+  at::Tensor y;
+  if (is_training() && dropout_ > 0.0) {
+    // Explicit attention, so the probabilities' dropout draws its mask through fsdp::tp::dropout:
+    // under tensor parallelism this rank holds heads [r * H/n, (r + 1) * H/n) (dimension 1).
+    const at::Tensor q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
+    const at::Tensor future = at::ones({time, time}, at::TensorOptions().dtype(at::kBool).device(x.device())).triu(1);
+    at::Tensor att = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
+    att = at::softmax(att.masked_fill(future, -std::numeric_limits<double>::infinity()), -1);
+    att = tp::dropout(att, dropout_, true, layout_.group ? std::optional<int64_t>(1) : std::nullopt, layout_.group);
+    y = at::matmul(att, v);
+  } else {
+    y = at::scaled_dot_product_attention(heads(parts[0]), heads(parts[1]), heads(parts[2]), /*attn_mask=*/{},
+                                         /*dropout_p=*/0.0, /*is_causal=*/true);
+  }
   y = y.transpose(1, 2).contiguous().view({batch, time, width});
-  return at::dropout(proj(y), dropout_, is_training());
+  return residual_dropout(proj(y), dropout_, is_training(), layout_);
 }
 
 MlpImpl::MlpImpl(const GPTConfig& config) : dropout_(config.dropout()) {
@@ -81,7 +104,7 @@ MlpImpl::MlpImpl(const GPTConfig& config) : dropout_(config.dropout()) {
 }
 
 at::Tensor MlpImpl::forward(at::Tensor x) {
-  return at::dropout(proj(at::gelu(fc(x), "tanh")), dropout_, is_training());
+  return residual_dropout(proj(at::gelu(fc(x), "tanh")), dropout_, is_training(), layout_);
 }
 
 BlockImpl::BlockImpl(const GPTConfig& config) {
@@ -179,7 +202,7 @@ at::Tensor GPTImpl::forward(at::Tensor input) {
     TORCH_CHECK(time <= config_.context_length(), "GPT::forward: sequence of ", time,
                 " tokens is longer than the context length ", config_.context_length());
     const at::Tensor positions = at::arange(time, tokens.options());
-    x = at::dropout(tok_emb(tokens) + pos_emb(positions), config_.dropout(), is_training());
+    x = residual_dropout(tok_emb(tokens) + pos_emb(positions), config_.dropout(), is_training(), dropout_layout_);
   } else {
     // A later pipeline stage: the previous stage's hidden states ([Note: GPT pipeline stages]).
     // Under sequence parallelism they hold this rank's positions, so time is not checked.
@@ -236,6 +259,14 @@ at::Tensor GPTImpl::generate(at::Tensor prompt, int64_t n_new, double temperatur
 }
 
 std::vector<Block> GPTImpl::block_list() const { return blocks->holders<Block>(); }
+
+void GPTImpl::set_dropout_layout(const DropoutLayout& layout) {
+  dropout_layout_ = layout;
+  for (auto& block : block_list()) {
+    block->attn->set_dropout_layout(layout);
+    block->mlp->set_dropout_layout(layout);
+  }
+}
 
 at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets) {
   TORCH_CHECK(logits.dim() == 3 && targets.dim() == 2 &&

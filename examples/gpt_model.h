@@ -56,6 +56,7 @@
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 
+#include "fsdp_cpp/comm/communicator.h"
 #include "fsdp_cpp/contract/hookable_module_holder.h"
 #include "fsdp_cpp/contract/hookable_module_list.h"
 #include "fsdp_cpp/contract/hookable_modules.h"
@@ -93,12 +94,25 @@ struct GPTConfig {
   TORCH_ARG(bool, tie_embeddings) = true;
 };
 
+/// Where the model's dropout sites are laid out over a tensor-parallel group
+/// (examples/gpt_tensor_parallel.h sets it; [Note: tensor-parallel RNG] in composable/tp_random.h):
+/// attention probabilities hold this rank's heads; the embeddings' and residual branches' outputs
+/// are replicated, or this rank's positions with sequence parallelism. Empty group: unsharded.
+struct DropoutLayout {
+  std::shared_ptr<comm::Communicator> group;
+  bool sequence_parallel = false;
+};
+
 /// Multi-head causal self-attention: qkv projection, scaled_dot_product_attention with a causal
 /// mask, output projection. [batch, time, d_model] -> [batch, time, d_model].
 class CausalSelfAttentionImpl : public torch::nn::Module {
  public:
   explicit CausalSelfAttentionImpl(const GPTConfig& config);
+  /// With dropout in training, attention is computed explicitly (softmax, then the probabilities'
+  /// dropout through fsdp::tp::dropout, then the values), so the masks follow [Note:
+  /// tensor-parallel RNG]; otherwise scaled_dot_product_attention.
   at::Tensor forward(at::Tensor x);
+  void set_dropout_layout(DropoutLayout layout) { layout_ = std::move(layout); }
 
   contract::Linear qkv{nullptr};
   contract::Linear proj{nullptr};
@@ -107,6 +121,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   int64_t n_heads_;
   int64_t head_dim_;
   double dropout_;
+  DropoutLayout layout_;
 };
 FSDP_HOOKABLE_MODULE(CausalSelfAttention);
 
@@ -115,12 +130,14 @@ class MlpImpl : public torch::nn::Module {
  public:
   explicit MlpImpl(const GPTConfig& config);
   at::Tensor forward(at::Tensor x);
+  void set_dropout_layout(DropoutLayout layout) { layout_ = std::move(layout); }
 
   contract::Linear fc{nullptr};
   contract::Linear proj{nullptr};
 
  private:
   double dropout_;
+  DropoutLayout layout_;
 };
 FSDP_HOOKABLE_MODULE(Mlp);
 
@@ -195,6 +212,9 @@ class GPTImpl : public torch::nn::Module {
   using OutputLayer = std::function<at::Tensor(const at::Tensor& hidden, const at::Tensor& weight)>;
   void set_output_layer(OutputLayer layer) { output_layer_ = std::move(layer); }
 
+  /// The layout of every dropout site of the model (its blocks' too): see DropoutLayout.
+  void set_dropout_layout(const DropoutLayout& layout);
+
   contract::Embedding tok_emb{nullptr};
   contract::Embedding pos_emb{nullptr};
   contract::ModuleList blocks{nullptr};
@@ -207,6 +227,7 @@ class GPTImpl : public torch::nn::Module {
 
   GPTConfig config_;
   OutputLayer output_layer_;
+  DropoutLayout dropout_layout_;
 };
 FSDP_HOOKABLE_MODULE(GPT);
 

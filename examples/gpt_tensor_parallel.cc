@@ -75,6 +75,9 @@ GptLossFunction parallelize_gpt(GPT& model, const std::shared_ptr<comm::Communic
                 model->config().context_length(), " is not a multiple of it");
   }
   parallelize_module(*model, group, gpt_tensor_parallel_plan(*model, options));
+  // Dropout: the same mask on every rank where activations are replicated, pieces of one mask
+  // where they are sharded (heads; positions with SP): [Note: tensor-parallel RNG].
+  model->set_dropout_layout(DropoutLayout{group, sp});
   const bool lp = options.loss_parallel();
   // The tied output layer: the hidden states enter the vocabulary-parallel matmul whole (their
   // gradient, partial on each rank, summed or reduce-scattered back). An untied head is

@@ -26,6 +26,10 @@
 //                        Tied: tok_emb's rows, through GPT::set_output_layer. Untied
 //                        (tie_embeddings(false)): head is ColwiseParallel (input Replicate, or
 //                        Shard(1) with SP; output Shard(-1) with loss_parallel, else Replicate).
+// Dropout (GPTConfig::dropout): each site draws through fsdp::tp::dropout with its layout (the
+// attention probabilities: this rank's heads; embeddings and residual branches: replicated, or this
+// rank's positions with SP), so with the ranks' generators seeded alike the masks are those of the
+// unsharded model ([Note: tensor-parallel RNG] in composable/tp_random.h).
 // A pipeline stage (GPT::keep_stage) gets the entries of the modules it holds: tok_emb and pos_emb
 // only on the first stage, ln_f and the output layer only on the last, the blocks' entries when it
 // holds blocks. With SP the hidden states a stage passes on are this rank's positions.
