@@ -11,10 +11,11 @@ at::Tensor dropout(const at::Tensor& x, double p, bool training, std::optional<i
                    const Group& group) {
   TORCH_CHECK(p >= 0.0 && p < 1.0, "fsdp::tp::dropout: expected a probability in [0, 1), found ", p);
   if (!training || p == 0.0) return x;
+  TORCH_CHECK(!sharded_dim || (*sharded_dim >= -x.dim() && *sharded_dim < x.dim()),
+              "fsdp::tp::dropout: sharded dimension ", *sharded_dim, " is out of range for a tensor of shape ",
+              x.sizes());
   const int64_t n = group ? group->size() : 1;
   if (!sharded_dim || n == 1) return at::dropout(x, p, /*train=*/true);
-  TORCH_CHECK(*sharded_dim >= -x.dim() && *sharded_dim < x.dim(), "fsdp::tp::dropout: sharded dimension ",
-              *sharded_dim, " is out of range for a tensor of shape ", x.sizes());
   const int64_t d = *sharded_dim < 0 ? *sharded_dim + x.dim() : *sharded_dim;
   std::vector<int64_t> whole(x.sizes().begin(), x.sizes().end());
   const int64_t local = whole[d];
