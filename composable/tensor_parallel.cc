@@ -1,17 +1,22 @@
 #include "fsdp_cpp/composable/tensor_parallel.h"
 
 #include <algorithm>
+#include <atomic>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <unordered_set>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
+#include "fsdp_cpp/comm/agreement.h"
 #include "fsdp_cpp/composable/tensor_placement.h"
 #include "fsdp_cpp/composable/tp_collectives.h"
 #include "fsdp_cpp/contract/contract.h"
@@ -68,8 +73,30 @@ struct PlannedParam {
   TensorPlacement placement;
 };
 
+// [Note: bypassed tensor-parallel modules] A tensor-parallel module called as
+// `module->forward(x)` (its holder bypassed) runs LibTorch's forward on this rank's piece without
+// the style's collectives: a wrong output and wrong gradients, silently. LibTorch gives no way to
+// refuse the call itself: `forward` is not virtual and the module reads its parameters as plain
+// tensors (no hook runs when an op reads a tensor; the dispatcher's only per-tensor interception,
+// a dispatch key on the parameter, would tax every operation on it, the optimizer's included). So
+// the refusal comes at the first backward pass: each style's wrapper counts the calls that build a
+// graph (gradients enabled: an ordinary training forward, or activation checkpointing's recompute,
+// not its discarding first pass), and a post-accumulate-grad hook on each parameter the module placed (kept by
+// fully_shard's set_data) throws a c10::Error naming
+// parallelize_module, the FQN and the holder when a gradient reaches the parameter while the
+// module has never been called through its holder with gradients on. Exactly what is detected:
+// every module whose parameters receive a gradient before any call through the holder, in the
+// backward pass of that graph (on every rank that bypassed it). Not detected: a bypassed call
+// under no-grad (evaluation: nothing reaches a hook), and a bypassed call after the module was
+// called through its holder at least once (the count is then positive). Cost: one relaxed atomic
+// increment per graph-building call, one atomic load per parameter per backward pass.
+struct StyledCalls {
+  std::atomic<int64_t> graph_calls{0};
+};
+
 struct TensorParallelState final : contract::ApiState {
   std::vector<std::string> styles;
+  std::shared_ptr<StyledCalls> calls;
   std::unordered_set<const void*> placed;  // the parameters placed (by TensorImpl)
   // [Note: managed parameters]: the parameters this module's styles placed (tensor_placement).
   bool manages(const at::Tensor& param) const override { return placed.count(param.unsafeGetTensorImpl()) > 0; }
@@ -271,23 +298,97 @@ contract::ForwardWrapper make_wrapper(const Target& t, const ParallelStyle& styl
   };
 }
 
+// A style's wrapper that counts its graph-building calls ([Note: bypassed tensor-parallel modules]).
+contract::ForwardWrapper counting(contract::ForwardWrapper styled, std::shared_ptr<StyledCalls> calls) {
+  return [styled = std::move(styled), calls = std::move(calls)](torch::nn::Module& m, const contract::ForwardArgs& args,
+                                                                const contract::ForwardFunction& forward) {
+    if (at::GradMode::is_enabled()) calls->graph_calls.fetch_add(1, std::memory_order_relaxed);
+    return styled(m, args, forward);
+  };
+}
+
+// The check on one placed parameter, run by its AccumulateGrad once a gradient reached it ([Note:
+// bypassed tensor-parallel modules]). A post-accumulate-grad hook rather than a tensor hook: the
+// tensor hooks of a parameter belong to fully_shard's first-iteration gradient guard, and this slot
+// is the parameter's own (a hook already there is kept and runs first).
+class RefuseBypassedUse final : public torch::autograd::PostAccumulateGradHook {
+ public:
+  RefuseBypassedUse(std::shared_ptr<StyledCalls> calls, std::string fqn, std::string name, std::string style,
+                    std::unique_ptr<torch::autograd::PostAccumulateGradHook> previous)
+      : calls_(std::move(calls)), fqn_(std::move(fqn)), name_(std::move(name)), style_(std::move(style)),
+        previous_(std::move(previous)) {}
+
+  void operator()(const torch::autograd::Variable& param) override {
+    if (previous_) (*previous_)(param);
+    if (calls_->graph_calls.load(std::memory_order_relaxed) > 0) return;
+    TORCH_CHECK(false, kApi, ": module '", fqn_, "' (", style_, "): its parameter '", name_, "' received a gradient, "
+                "but the module was never called through its hook-able holder with gradients enabled, so its "
+                "tensor-parallel forward (the collectives around this rank's piece) did not run and the output and "
+                "gradients computed from the piece are wrong. Expected calls such as `module(x)` on its holder "
+                "(fsdp::contract::Linear, fsdp::contract::Embedding, a FSDP_HOOKABLE_MODULE holder); found the "
+                "parameter used without them (`module->forward(x)` bypasses the holder, and so does reading the "
+                "piece directly in another module's forward)");
+  }
+
+ private:
+  std::shared_ptr<StyledCalls> calls_;
+  std::string fqn_, name_, style_;
+  std::unique_ptr<torch::autograd::PostAccumulateGradHook> previous_;
+};
+
+void refuse_gradient_without_styled_call(const at::Tensor& param, const std::string& fqn, const std::string& name,
+                                         const std::string& style, const std::shared_ptr<StyledCalls>& calls) {
+  std::unique_ptr<torch::autograd::PostAccumulateGradHook> previous;
+  if (torch::autograd::impl::get_autograd_meta(param) != nullptr) {
+    previous = std::move(torch::autograd::impl::post_acc_grad_hooks(param));
+  }
+  torch::autograd::impl::set_post_acc_grad_hooks(
+      param, std::make_unique<RefuseBypassedUse>(calls, fqn, name, style, std::move(previous)));
+}
+
 void check_layout_pair(const Target& t, const Layout& from, const Layout& to) {
   TORCH_CHECK(!(from.is_shard && to.is_shard && from.dim != to.dim), where(t), ": redistributing from ",
               from.describe(), " to ", to.describe(), " is not supported (go through Replicate)");
 }
 
-// Fails on every rank of the group when the ranks' plans or models differ.
-void check_same_on_group(const std::string& fingerprint, comm::Communicator& group) {
-  if (group.size() == 1) return;
-  std::vector<uint8_t> bytes(fingerprint.begin(), fingerprint.end());
-  auto all = group.all_gather_bytes(bytes, "parallelize_module: plan check");
-  for (size_t r = 0; r < all.size(); ++r) {
-    TORCH_CHECK(all[r] == all[0], "parallelize_module: the ranks of the tensor-parallel group applied different "
-                "plans or models (group rank 0 and group rank ", r, " differ); every rank of the group must "
-                "apply the same plan to the same model");
-  }
-}
+// What one rank's validation found: the error, or the fingerprint of what it would apply (one
+// entry per module and style, then per placed parameter: "fqn:Style;" and "fqn:shape placement;").
+struct Validation {
+  std::optional<std::string> error;
+  std::vector<std::string> fingerprint;
+};
 
+// [Note: tensor-parallel agreement] Every rank of the tp group validates on its own (no rank
+// throws yet), then the ranks agree (comm/agreement.h): first on the validation errors, so that a
+// rank whose model lacks a module the plan names makes every rank refuse with that rank's error
+// instead of throwing while its peers wait in the exchange; then, all valid, on the fingerprints, so
+// that ranks whose plans or models differ refuse naming the first entry where they differ. Nothing
+// is changed before both agreements passed.
+void check_same_on_group(const Validation& mine, const std::shared_ptr<comm::Communicator>& group) {
+  comm::throw_if_any_error({group}, mine.error, kApi);
+  if (group->size() == 1) return;
+  std::string joined;
+  for (const auto& entry : mine.fingerprint) joined += entry + "\n";
+  const auto all = group->all_gather_bytes(std::vector<uint8_t>(joined.begin(), joined.end()),
+                                           "parallelize_module: plan check");
+  std::optional<std::string> differs;
+  const std::string first(all[0].begin(), all[0].end());
+  if (group->rank() != 0 && joined != first) {
+    std::vector<std::string> theirs;
+    std::istringstream in(first);
+    for (std::string line; std::getline(in, line);) theirs.push_back(line);
+    size_t i = 0;
+    while (i < mine.fingerprint.size() && i < theirs.size() && mine.fingerprint[i] == theirs[i]) ++i;
+    auto show = [](const std::vector<std::string>& v, size_t k) {
+      return k < v.size() ? "'" + v[k] + "'" : std::string("nothing more");
+    };
+    differs = "the ranks of the tensor-parallel group applied different plans or models: this rank would apply " +
+              show(mine.fingerprint, i) + " where group rank 0 applies " + show(theirs, i) + " (entry " +
+              std::to_string(i + 1) + " of module:style and module:shape placement); every rank of the group must "
+              "apply the same plan to the same model";
+  }
+  comm::throw_if_any_error({group}, differs, kApi);
+}
 }  // namespace
 
 std::string Layout::describe() const { return is_shard ? "Shard(" + std::to_string(dim) + ")" : "Replicate"; }
@@ -306,19 +407,19 @@ bool is_tensor_parallel(const torch::nn::Module& module) {
 
 namespace {
 
-void parallelize(torch::nn::Module& module, const std::shared_ptr<comm::Communicator>& group,
-                 const std::string& mesh_dim, const TensorParallelPlan& plan) {
-  TORCH_CHECK(group != nullptr, kApi, ": no tensor-parallel group given");
-  auto& registry = contract::ModuleStateRegistry::global();
-
+// Steps 1-3 of parallelize_module on this rank alone: throws what it finds, changes nothing;
+// returns the fingerprint of what would be applied.
+std::vector<std::string> validate(torch::nn::Module& module, const std::shared_ptr<comm::Communicator>& group,
+                                  const std::string& mesh_dim, const TensorParallelPlan& plan,
+                                  contract::ModuleStateRegistry& registry, std::map<std::string, Target>& targets,
+                                  std::vector<std::string>& order,
+                                  std::map<std::string, std::vector<PlannedParam>>& params) {
   // 1. Refuse a model fully_shard already manages (parameters are flattened shards by then): a
   // unit on the module, around it or inside it ([Note: exclusive APIs], composable/api_names.cc).
   declare_api_exclusions();
   registry.check_exclusions(module, kTensorParallelApi, kApi);
 
   // 2. Resolve the plan: every entry must match a module.
-  std::map<std::string, Target> targets;
-  std::vector<std::string> order;
   const auto named = module.named_modules(/*name_prefix=*/"", /*include_self=*/true);
   for (const auto& [pattern, style] : plan) {
     const auto fqns = match_modules(module, pattern);
@@ -341,15 +442,14 @@ void parallelize(torch::nn::Module& module, const std::shared_ptr<comm::Communic
   }
 
   // 3. Validate every target before changing anything.
-  std::map<std::string, std::vector<PlannedParam>> params;
-  std::string fingerprint;
+  std::vector<std::string> fingerprint;
   for (const auto& fqn : order) {
     const Target& t = targets[fqn];
     TORCH_CHECK(!registry.contains(*t.module, kTensorParallelApi), where(t), ": already parallelized; "
                 "parallelize_module applies once per module");
     int placing = 0;
     for (const auto& style : t.styles) {
-      fingerprint += fqn + ":" + style_name(style) + ";";
+      fingerprint.push_back((fqn.empty() ? "<root>" : fqn) + ":" + style_name(style));
       if (places_parameters(style)) {
         TORCH_CHECK(++placing == 1, where(t), ": at most one of ColwiseParallel, RowwiseParallel and "
                     "SequenceParallel per module; the plan gives it more");
@@ -370,10 +470,32 @@ void parallelize(torch::nn::Module& module, const std::shared_ptr<comm::Communic
                   "were not recorded (build the model under fsdp::MetaInitGuard)");
       TORCH_CHECK(!tensor_placement(planned.param), where(t), ": a parameter is already placed by an earlier "
                   "parallelize_module (tied to another parallelized module?)");
-      fingerprint += contract::shape_string(planned.param.sizes()) + planned.placement.describe() + ";";
+      fingerprint.push_back(t.fqn + ":" + contract::shape_string(planned.param.sizes()) + " " +
+                            planned.placement.describe());
     }
   }
-  check_same_on_group(fingerprint, *group);
+  return fingerprint;
+}
+
+void parallelize(torch::nn::Module& module, const std::shared_ptr<comm::Communicator>& group,
+                 const std::string& mesh_dim, const TensorParallelPlan& plan) {
+  TORCH_CHECK(group != nullptr, kApi, ": no tensor-parallel group given");
+  auto& registry = contract::ModuleStateRegistry::global();
+  std::map<std::string, Target> targets;
+  std::vector<std::string> order;
+  std::map<std::string, std::vector<PlannedParam>> params;
+  Validation validation;
+  // Steps 1-3 only look at this rank's model: what they find is agreed on before anything changes
+  // ([Note: tensor-parallel agreement]).
+  try {
+    validation.fingerprint = validate(module, group, mesh_dim, plan, registry, targets, order, params);
+  } catch (const c10::Error& e) {
+    validation.error = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    validation.error = e.what();
+  }
+  check_same_on_group(validation, group);
+
 
   // 4. Apply: place the parameters, then the forward wrappers (plan order: first outermost).
   const int rank = group->rank();
@@ -398,9 +520,25 @@ void parallelize(torch::nn::Module& module, const std::shared_ptr<comm::Communic
         set_tensor_placement(p, planned.placement);
         state->placed.insert(p.unsafeGetTensorImpl());
       }
+      state->calls = std::make_shared<StyledCalls>();
       for (const auto& style : t.styles) {
         state->styles.push_back(style_name(style));
-        if (group->size() > 1) contract::register_forward_wrapper(m, make_wrapper(t, style, group));
+        if (group->size() > 1) {
+          contract::ForwardWrapper styled = make_wrapper(t, style, group);
+          if (places_parameters(style)) styled = counting(std::move(styled), state->calls);
+          contract::register_forward_wrapper(m, std::move(styled));
+        }
+      }
+      if (group->size() > 1) {
+        std::string style;
+        for (const auto& st : t.styles) {
+          if (places_parameters(st)) style = style_name(st);
+        }
+        for (const auto& item : m.named_parameters(/*recurse=*/false)) {
+          at::Tensor p = item.value();
+          if (state->placed.count(p.unsafeGetTensorImpl()) == 0 || !p.requires_grad()) continue;
+          refuse_gradient_without_styled_call(p, t.fqn, item.key(), style, state->calls);
+        }
       }
       return state;
     });

@@ -50,8 +50,19 @@
 //
 // Bad input (a plan entry matching no module, a style on a module type it does not support, a
 // dimension the group size does not divide, a module already parallelized or managed by
-// fully_shard, a module not called through hooks) is refused before anything changes, with an
-// error naming parallelize_module, the FQN, what was expected and what was found.
+// fully_shard) is refused before anything changes, with an error naming parallelize_module, the
+// FQN, what was expected and what was found. Each rank validates its own model first; the ranks of
+// the group then agree (comm/agreement.h, [Note: tensor-parallel agreement] in
+// tensor_parallel.cc), so a rank whose model or plan differs (a module it lacks, another shape)
+// makes every rank of the group throw the same error, naming that rank, and no rank changes
+// anything.
+//
+// A parallelized module must be called through its hook-able holder (`fc(x)`, not
+// `fc->forward(x)`): LibTorch offers no way to refuse the bypassed call itself, so it is refused at
+// the first backward pass that reaches the module's parameters while the module has never been
+// called through its holder with gradients on (a c10::Error naming parallelize_module, the FQN and
+// the holder). A bypass under no-grad, or after the module was called through its holder once, is
+// not detected ([Note: bypassed tensor-parallel modules] in tensor_parallel.cc).
 
 #include <memory>
 #include <string>
