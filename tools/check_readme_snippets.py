@@ -13,6 +13,9 @@ usage: check_readme_snippets.py [REPO_ROOT]
   tests/comm/point_to_point_example.cc, byte for byte (built by //tests/comm:point_to_point_example).
 - The first ```cpp block under "## Pipeline parallel" must be tests/pipeline/pipeline_example.cc,
   byte for byte (built by //tests/pipeline:pipeline_example, run on 1-4 ranks by its test).
+- The first ```cpp block under "## One training job: ..." must be
+  tests/parallel/composition_example.cc, byte for byte (built and run by
+  //tests/parallel:composition_example_test).
 - Under "## Using the library from another Bazel workspace": the ```python block with `cc_binary(`
   must appear verbatim in examples/consumer/BUILD.bazel; the lines of the WORKSPACE block that load
   and call fsdp_dependencies must appear in examples/consumer/WORKSPACE; the ```text block of
@@ -66,6 +69,8 @@ def main():
     first_cpp_block_is("## Optimizers on flat shards", "tests/optim/flat_optimizer_example.cc")
     first_cpp_block_is("## Quantized communication", "tests/composable/quantized_comm_example.cc")
     first_cpp_block_is("## Pipeline parallel", "tests/pipeline/pipeline_example.cc")
+    first_cpp_block_is("## One training job: tensor parallel x fully_shard x pipeline (`fsdp::parallel`)",
+                       "tests/parallel/composition_example.cc")
 
     consumer = section(readme, "## Using the library from another Bazel workspace")
     build = read("examples/consumer/BUILD.bazel")

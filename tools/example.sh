@@ -2,15 +2,18 @@
 # Runs the main example, //examples:train_gpt (a small GPT trained with fully_shard on each block
 # and on the root): installs what is missing, builds, and launches it over MPI ranks on this
 # machine.   tools/example.sh [--np N] [train_gpt flags...]   (tools/example.sh --help lists them)
-# With --pp P it runs //examples:train_gpt_pipeline instead (pipeline parallel: tools/example.sh
-# --np 4 --pp 2 --help lists its flags).
+# With any of --dp, --dp-replicate, --tp or --pp it runs //examples:train_gpt_parallel instead: the
+# composition root on that layout (tools/example.sh --np 4 --dp 2 --tp 2 --help lists its flags).
+# //examples:train_gpt_pipeline composes the same APIs by hand (bazel run it, or see its test).
 # The collectives demo is a separate target: bazel build //examples:collectives_demo.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 np=2
 if [ "${1:-}" = "--np" ]; then np="$2"; shift 2; fi
 target=train_gpt
-for a in "$@"; do [ "$a" = "--pp" ] && target=train_gpt_pipeline; done
+for a in "$@"; do
+  case "$a" in --dp|--dp-replicate|--tp|--pp) target=train_gpt_parallel ;; esac
+done
 tools/setup.sh
 bazel build "//examples:$target"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1

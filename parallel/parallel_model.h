@@ -1,0 +1,157 @@
+#pragma once
+// parallelize: the composition root of a training job (torchtitan's parallelize_llama +
+// pipeline_llama, for any model that supplies its plan). From a ParallelDims layout it builds the
+// mesh, this rank's pipeline stage chunks, and applies to each, in torchtitan's order: tensor
+// parallel (over "tp") -> activation checkpointing -> fully_shard (over "dp_shard", HSDP over
+// (dp_replicate, dp_shard) when dp_replicate > 1) -> pipeline stages and schedule (over "pp").
+// The result trains with the job-wide invariants held by construction:
+//   - every data-parallel group is the right one (fully_shard never sees a tp peer);
+//   - gradient clipping over every stage chunk, tp and dp rank of the job (clip_grad_norm_);
+//   - each forward seeded by (seed, step, data rank, microbatch, stage) alike on the ranks of a
+//     tp group ([Note: tensor-parallel RNG]), so dropout trains the unsharded model's masks;
+//   - every step first compares, over the whole job, the batch shapes (equal on every replica), the
+//     inputs of the ranks of each tp group (the same data; in the first step, every step with
+//     FSDP_DEBUG=1) and each rank's own errors: a bad step is refused on every rank with the same
+//     error before anything communicates;
+//   - zero_grad() discards whatever an abandoned step accumulated.
+//
+//   auto pg = fsdp::comm::init_process_group();
+//   fsdp::parallel::ModelSpec spec;
+//   spec.build = [&](int stage, int n_stages) { ... return fsdp::parallel::ModelPart{...}; };
+//   spec.loss = next_token_loss;
+//   spec.units = fsdp::WrapPolicy::module_types<BlockImpl>();
+//   spec.tensor_parallel = [](fsdp::parallel::ModelPart& part, const auto& tp) { ...; return LossFn{}; };
+//   auto model = fsdp::parallel::parallelize(pg.comm, spec,
+//       fsdp::parallel::ParallelOptions().dims({.dp_shard = -1, .tp = 2}).seed(0));
+//   torch::optim::AdamW optim(model.parameters(), 1e-3);
+//   for (int64_t step = 0; step < steps; ++step) {
+//     auto batch = loader.next(model.mesh().data_rank());   // by data rank, never world rank
+//     model.forward_backward(batch.inputs, batch.targets);
+//     model.clip_grad_norm_(1.0);
+//     optim.step();
+//     model.zero_grad();
+//   }
+//
+// The building blocks (parallelize_module, fully_shard, checkpoint_activations, PipelineStage,
+// PipelineSchedule) stay public for programs that compose by hand; those get the same invariants
+// from fsdp::clip_grad_norm_ over their roots and pipeline group, fsdp::tp::dropout with
+// forward_seed, FSDPModule::zero_grad, and fully_shard's refusal of a communicator holding tp peers.
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include "fsdp_cpp/comm/communicator.h"
+#include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/composable/wrap_policy.h"
+#include "fsdp_cpp/parallel/parallel_dims.h"
+#include "fsdp_cpp/pipeline/schedule_order.h"
+
+namespace torch::nn {
+class Module;
+}  // namespace torch::nn
+
+namespace fsdp::parallel {
+
+/// One pipeline stage's part of the model (the whole model without pipeline parallelism).
+struct ModelPart {
+  /// The part's root module (hook-able: it becomes the part's fully_shard root unit).
+  std::shared_ptr<torch::nn::Module> module;
+  /// Its forward, called through the module's hook-able holder: stage input -> stage output.
+  std::function<at::Tensor(const at::Tensor&)> forward;
+};
+
+using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& targets)>;
+
+/// What a model supplies to the composition root.
+struct ModelSpec {
+  /// The part that pipeline stage `stage` of `n_stages` holds (the whole model when n_stages is
+  /// 1), keeping the whole model's FQNs, with the same values on every rank (initialised from a
+  /// fixed seed). Called once per stage chunk this rank holds. May throw (e.g. fewer layers than
+  /// stages): the error reaches every rank.
+  std::function<ModelPart(int stage, int n_stages)> build;
+  /// The loss of the last stage's output against the targets: a mean over the microbatch.
+  LossFn loss;
+  /// Tensor parallelism on a part over the tp group (parallelize_module with the model's plan).
+  /// Returns the loss to use instead of `loss` when the layout changes it (loss parallel), or an
+  /// empty function. Needed when tp > 1.
+  std::function<LossFn(ModelPart& part, const std::shared_ptr<comm::Communicator>& tp)> tensor_parallel;
+  /// The modules of each part that become fully_shard units; the part's root always is one.
+  std::optional<WrapPolicy> units;
+  /// The modules activation-checkpointed with ParallelOptions::checkpoint_activations (default:
+  /// `units`).
+  std::optional<WrapPolicy> checkpoint;
+};
+
+struct ParallelOptions {
+  TORCH_ARG(ParallelDims, dims) = {};
+  /// Pipeline schedule (pp > 1) and stage chunks per pipeline rank (> 1 needs interleaved_1f1b).
+  TORCH_ARG(pipeline::ScheduleKind, schedule) = pipeline::ScheduleKind::k1F1B;
+  TORCH_ARG(int, stages_per_rank) = 1;
+  /// Microbatches per step: the pipeline's, or gradient accumulation without pipeline (the
+  /// gradients are those of the whole batch's mean loss either way).
+  TORCH_ARG(int, n_microbatches) = 1;
+  TORCH_ARG(bool, checkpoint_activations) = false;
+  /// fully_shard's options for every unit (its communicator and mesh are the composition root's).
+  TORCH_ARG(FullyShardOptions, fully_shard) = {};
+  /// The job's seed ([Note: tensor-parallel RNG]).
+  TORCH_ARG(uint64_t, seed) = 0;
+};
+
+class ParallelModel {
+ public:
+  const ParallelMesh& mesh() const;
+  /// This rank's stage chunks, in stage order, and each one's stage index.
+  const std::vector<ModelPart>& parts() const;
+  const std::vector<int>& stages() const;
+  int n_stages() const;
+  /// Each part's root unit.
+  const std::vector<FSDPModule>& roots() const;
+  /// The parameters of this rank's parts (what its optimizer steps).
+  std::vector<at::Tensor> parameters() const;
+  /// The loss in use (the spec's, or the one tensor parallelism returned).
+  const LossFn& loss() const;
+
+  /// One step's forwards and backwards on this rank's slice of the global batch: `inputs` on the
+  /// ranks holding the first stage, `targets` on those holding the last (both everywhere without
+  /// pipeline). Returns the mean loss over the microbatches on the ranks holding the last stage
+  /// (undefined elsewhere). Collective over the job; see the top of this file for what it checks
+  /// first.
+  at::Tensor forward_backward(const at::Tensor& inputs, const at::Tensor& targets);
+  /// clip_grad_norm_ over every part, tp, dp and pipeline rank of the job: the whole model's norm.
+  double clip_grad_norm_(double max_norm, double norm_type = 2.0);
+  /// Drops every gradient of this rank's parts: `.grad`, accumulations without sync and HSDP's
+  /// replicate partials (an abandoned step leaves nothing behind).
+  void zero_grad();
+  /// The steps begun (forward_backward calls, abandoned ones included: their seeds are used up).
+  int64_t steps() const;
+  /// The mean over data ranks of a loss returned by forward_backward, on every rank (a collective
+  /// over the job on a communicator of its own, so training's counters are untouched).
+  double global_loss(const at::Tensor& loss) const;
+  /// The layout in a few lines (for logs).
+  std::string describe() const;
+
+  struct Impl;
+
+ private:
+  friend ParallelModel parallelize(const std::shared_ptr<comm::Communicator>&, const ModelSpec&,
+                                   const ParallelOptions&);
+  explicit ParallelModel(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<Impl> impl_;
+};
+
+/// The composition root (see the top of this file). Collective over `world`; every rank passes the
+/// same spec and options. Refused on every rank with the same error, before the model is sharded:
+/// dims that do not fit the world size, a schedule its sizes cannot run (fewer stages than pipeline
+/// ranks, microbatches fewer than pipeline ranks for 1F1B, ...), a spec without build or loss (or
+/// without tensor_parallel at tp > 1), a build that throws on any rank.
+ParallelModel parallelize(const std::shared_ptr<comm::Communicator>& world, const ModelSpec& spec,
+                          const ParallelOptions& options);
+
+}  // namespace fsdp::parallel
