@@ -11,6 +11,9 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include "fsdp_cpp/comm/agreement.h"
+#include "fsdp_cpp/composable/fully_shard_internal.h"
+
 namespace fsdp::pipeline {
 
 namespace {
@@ -37,18 +40,18 @@ std::string shape_string(at::IntArrayRef shape) {
 std::vector<uint8_t> to_bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
 // What a rank knows about a step ([Note: pipeline step agreement]), one line per fact:
-//   "E <error>"                    an error in this rank's arguments
+//   "L <layout>"                   the schedule's options and this rank's stage layout
 //   "I <dtype> <d0> <d1> ..."      the input's dtype and shape (the first stage's rank)
 //   "T <batch>"                    targets were given, with this many rows (the last stage's rank)
 struct Descriptor {
-  std::vector<std::string> errors;
+  std::string layout;
   std::optional<std::vector<int64_t>> input;  // dtype, then the shape
   std::optional<int64_t> target_rows;
 };
 
 std::string encode(const Descriptor& d) {
   std::ostringstream out;
-  for (const auto& e : d.errors) out << "E " << e << "\n";
+  out << "L " << d.layout << "\n";
   if (d.input) {
     out << "I";
     for (int64_t v : *d.input) out << " " << v;
@@ -64,8 +67,8 @@ Descriptor decode(const std::vector<uint8_t>& bytes) {
   std::string line;
   while (std::getline(in, line)) {
     if (line.size() < 1) continue;
-    if (line[0] == 'E') {
-      d.errors.push_back(line.substr(2));
+    if (line[0] == 'L') {
+      d.layout = line.substr(2);
     } else if (line[0] == 'I') {
       std::istringstream values(line.substr(1));
       std::vector<int64_t> v;
@@ -130,24 +133,52 @@ PipelineSchedule::PipelineSchedule(std::vector<PipelineStage*> stages, LossFn lo
   boundary_dtypes_.assign(std::max(n_stages_ - 1, 0), 0);
 }
 
+std::string PipelineSchedule::describe_layout() const {
+  std::ostringstream out;
+  out << schedule_name(options_.kind()) << ", " << options_.n_microbatches() << " microbatches, scale_grads "
+      << (options_.scale_grads() ? "true" : "false") << ", reduce_every_microbatch "
+      << (options_.reduce_every_microbatch() ? "true" : "false") << ", " << n_stages_ << " stages, " << stages_.size()
+      << " per pipeline rank";
+  return out.str();
+}
+
+std::vector<std::shared_ptr<comm::Communicator>> PipelineSchedule::agreement_groups() const {
+  std::vector<std::shared_ptr<comm::Communicator>> groups{group_};
+  auto add = [&](const std::shared_ptr<comm::Communicator>& g) {
+    if (g && std::find(groups.begin(), groups.end(), g) == groups.end()) groups.push_back(g);
+  };
+  for (const PipelineStage* stage : stages_) {
+    for (const FSDPModule& unit : stage->fsdp_units()) {
+      const auto& config = detail::state_of(unit).config();
+      add(config.comm);       // the unit's shard group (the data-parallel group)
+      add(config.replicate);  // HSDP: the replicate group
+    }
+  }
+  return groups;
+}
+
 // Returns the step's input descriptor (dtype, then shape) on every rank, or throws the same error
-// on every rank ([Note: pipeline step agreement]).
+// on every rank of the pipeline group and of the stages' data-parallel groups ([Note: pipeline
+// step agreement]).
 std::vector<int64_t> PipelineSchedule::agree_step(const at::Tensor& inputs, const at::Tensor& targets) {
   const int m = options_.n_microbatches();
   const bool holds_first = stages_.front()->is_first();
   const bool holds_last = stages_.back()->is_last();
+  const std::string here = "pipeline rank " + std::to_string(group_->rank());
+  std::vector<std::string> errors;  // what this rank found, each naming it
   Descriptor mine;
+  mine.layout = describe_layout();
   if (holds_first) {
     if (!inputs.defined()) {
-      mine.errors.push_back("the first stage's rank got no inputs");
+      errors.push_back(here + ": the first stage's rank got no inputs");
     } else if (inputs.dim() < 1 || inputs.size(0) % m != 0 || inputs.size(0) < m) {
-      mine.errors.push_back("the first stage's inputs of shape " + shape_string(inputs.sizes()) +
-                            " cannot be split into " + std::to_string(m) +
-                            " equal microbatches along dimension 0 (expected a batch that is a positive "
-                            "multiple of the number of microbatches)");
+      errors.push_back(here + ": the first stage's inputs of shape " + shape_string(inputs.sizes()) +
+                       " cannot be split into " + std::to_string(m) +
+                       " equal microbatches along dimension 0 (expected a batch that is a positive multiple of the "
+                       "number of microbatches)");
     } else if (inputs.dim() > kMaxDims) {
-      mine.errors.push_back("the first stage's inputs have " + std::to_string(inputs.dim()) +
-                            " dimensions, more than the " + std::to_string(kMaxDims) + " supported");
+      errors.push_back(here + ": the first stage's inputs have " + std::to_string(inputs.dim()) +
+                       " dimensions, more than the " + std::to_string(kMaxDims) + " supported");
     } else {
       std::vector<int64_t> d{static_cast<int64_t>(inputs.scalar_type())};
       for (int64_t s : inputs.sizes()) d.push_back(s);
@@ -156,15 +187,15 @@ std::vector<int64_t> PipelineSchedule::agree_step(const at::Tensor& inputs, cons
   }
   if (holds_last) {
     if (!targets.defined()) {
-      mine.errors.push_back("the last stage's rank got no targets");
+      errors.push_back(here + ": the last stage's rank got no targets");
     } else if (targets.dim() < 1 || targets.size(0) % m != 0 || targets.size(0) < m) {
-      mine.errors.push_back("the last stage's targets of shape " + shape_string(targets.sizes()) +
-                            " cannot be split into " + std::to_string(m) + " equal microbatches along dimension 0");
+      errors.push_back(here + ": the last stage's targets of shape " + shape_string(targets.sizes()) +
+                       " cannot be split into " + std::to_string(m) + " equal microbatches along dimension 0");
     } else {
       mine.target_rows = targets.size(0);
     }
   }
-  for (auto& e : mine.errors) e = "pipeline rank " + std::to_string(group_->rank()) + ": " + e;
+  // The pipeline group's descriptors: the layouts compared, the input's shape known everywhere.
   std::vector<Descriptor> all;
   if (group_->size() == 1) {
     all.push_back(mine);
@@ -173,24 +204,28 @@ std::vector<int64_t> PipelineSchedule::agree_step(const at::Tensor& inputs, cons
       all.push_back(decode(bytes));
     }
   }
-  std::vector<std::string> errors;
+  if (all[0].layout != mine.layout) {
+    errors.push_back(here + " runs (" + mine.layout + ") but pipeline rank 0 runs (" + all[0].layout +
+                     "); every rank of the pipeline group must build its PipelineSchedule with the same kind, "
+                     "number of microbatches, scale_grads and reduce_every_microbatch, over the same stages");
+  }
   std::optional<std::vector<int64_t>> input;
   std::optional<int64_t> target_rows;
+  bool same_layouts = true;
   for (const auto& d : all) {
-    errors.insert(errors.end(), d.errors.begin(), d.errors.end());
     if (d.input) input = d.input;
     if (d.target_rows) target_rows = d.target_rows;
+    same_layouts = same_layouts && d.layout == all[0].layout;
   }
-  if (errors.empty() && input && target_rows && (*input)[1] != *target_rows) {
-    errors.push_back("the inputs have " + std::to_string((*input)[1]) + " rows but the targets " +
+  if (same_layouts && holds_last && input && target_rows && (*input)[1] != *target_rows) {
+    errors.push_back(here + ": the inputs have " + std::to_string((*input)[1]) + " rows but the targets " +
                      std::to_string(*target_rows));
   }
-  if (!errors.empty()) {
-    std::ostringstream msg;
-    msg << kApi << "::step (" << schedule_name(options_.kind()) << ", " << m << " microbatches, " << n_stages_
-        << " stages): refused on every pipeline rank:";
-    for (const auto& e : errors) msg << " " << e << ";";
-    TORCH_CHECK(false, msg.str());
+  std::optional<std::string> local_error;
+  for (const auto& e : errors) local_error = local_error ? *local_error + "; " + e : e;
+  if (auto agreed = comm::agree_on_error(agreement_groups(), local_error, std::string(kApi) + "::step")) {
+    TORCH_CHECK(false, *agreed, ". The step is refused on every pipeline rank and on every rank of the stages' "
+                "data-parallel groups, before anything ran: the next step runs normally");
   }
   TORCH_CHECK(input.has_value(), kApi, "::step: no rank holds the first stage");
   return *input;

@@ -19,14 +19,22 @@
 // elsewhere).
 //
 // [Note: pipeline step agreement] Each step starts with one all-gather over the pipeline group
-// of what each rank knows: the input's shape and dtype (the first stage's rank), whether targets
-// were given (the last stage's), and the error a rank found in its own arguments (a batch the
-// microbatches do not divide, missing inputs or targets). Every rank then refuses the same bad
-// step with the same error before anything runs, and knows the step's input shape: when it
-// differs from the last agreed one, each stage boundary sends the activation's shape and dtype
-// ahead of the first microbatch's activation, and the receivers allocate from that. Between such
-// steps a stage whose output's shape differs from the agreed one fails naming the stage and both
-// shapes (its peers end with the communicator's timeout report naming the transfer).
+// of what each rank knows: the schedule's options and its stage layout (kind, number of
+// microbatches, scale_grads, reduce_every_microbatch, number of stages and stages per rank), the
+// input's shape and dtype (the first stage's rank) and whether targets were given (the last
+// stage's). Each rank then names what it finds wrong: its own arguments (a batch the microbatches
+// do not divide, missing inputs or targets), a layout that differs from pipeline rank 0's, inputs
+// and targets whose batch sizes differ. Those errors go through the error agreement
+// (comm/agreement.h) over the pipeline group and then over every data-parallel group the stages'
+// fully_shard units communicate over (PipelineStage::set_fsdp_units: each unit's shard group and
+// HSDP replicate group), so that a bad batch on one data-parallel replica is refused by every rank
+// of the job, with the same error (that of the lowest world rank), before anything communicates
+// further; no rank is left in a data-parallel collective, and the next step runs normally on every
+// rank. Every rank then also knows the step's input shape: when it differs from the last agreed
+// one, each stage boundary sends the activation's shape and dtype ahead of the first microbatch's
+// activation, and the receivers allocate from that. Between such steps a stage whose output's
+// shape differs from the agreed one fails naming the stage and both shapes (its peers end with the
+// communicator's timeout report naming the transfer).
 //
 // Transfers between two stages on one rank (interleaved schedules on one rank) pass the tensor
 // without communicating. Sends never block the sender; the step waits for them before returning.
@@ -98,6 +106,11 @@ class PipelineSchedule {
 
  private:
   std::vector<int64_t> agree_step(const at::Tensor& inputs, const at::Tensor& targets);
+  // "1f1b, 4 microbatches, scale_grads true, reduce_every_microbatch false, 2 stages, 1 per
+  // pipeline rank": what every rank of the pipeline group must agree on.
+  std::string describe_layout() const;
+  // The pipeline group, then each stage unit's shard group and HSDP replicate group (each once).
+  std::vector<std::shared_ptr<comm::Communicator>> agreement_groups() const;
 
   std::vector<PipelineStage*> stages_;  // indexed by chunk: stages_[c] is stage c * p + rank
   LossFn loss_fn_;
