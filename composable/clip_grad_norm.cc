@@ -1,7 +1,10 @@
 #include "fsdp_cpp/composable/clip_grad_norm.h"
 
-#include "fsdp_cpp/comm/issuing_api.h"
+#include <algorithm>
+#include <array>
 #include <cmath>
+#include <sstream>
+#include <string>
 #include <unordered_set>
 
 #include <ATen/ops/tensor.h>
@@ -9,88 +12,206 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
+#include "fsdp_cpp/comm/issuing_api.h"
 #include "fsdp_cpp/composable/fully_shard_internal.h"
 #include "fsdp_cpp/composable/tensor_placement.h"
+#include "fsdp_cpp/fsdp/open_iteration.h"
+#include "fsdp_cpp/fsdp/root_context.h"
 #include "fsdp_cpp/fsdp/unit_tree.h"
 
 namespace fsdp {
+namespace {
 
-double clip_grad_norm_(const FSDPModule& root, double max_norm, double norm_type) {
-  comm::IssuingApi issuing_api("fsdp::clip_grad_norm_");
-  TORCH_CHECK(norm_type > 0, "fsdp::clip_grad_norm_: norm_type must be positive, got ", norm_type);
-  const bool inf = std::isinf(norm_type);
-  // Each unit once (siblings share a state), each gradient shard once.
+constexpr const char* kApi = "fsdp::clip_grad_norm_";
+
+using Comms = std::vector<std::shared_ptr<comm::Communicator>>;
+
+std::string name_of(const FSDPState& unit) { return unit.fqn().empty() ? "<root>" : unit.fqn(); }
+
+void add_distinct(Comms& comms, const std::shared_ptr<comm::Communicator>& c) {
+  if (c && c->size() > 1 && std::find(comms.begin(), comms.end(), c) == comms.end()) comms.push_back(c);
+}
+
+// The max norm's max, NaN-propagating as torch's.
+double combine(bool inf, double a, double b) {
+  if (!inf) return a + b;
+  if (std::isnan(a) || std::isnan(b)) return std::nan("");
+  return std::max(a, b);
+}
+
+// Every rank's error, agreed before the first collective: exchanged over each group in turn. The
+// groups are the dimensions of the job's mesh (each rank's dp, replicate, tp and pipeline groups),
+// so after the last exchange every rank holds the smallest error of any rank of the job (the same
+// text everywhere), or "" when no rank refused. (A shared agreement helper will replace this one.)
+std::string agree_on_error(std::string error, const Comms& groups) {
+  for (const auto& group : groups) {
+    const auto all = group->all_gather_bytes(std::vector<uint8_t>(error.begin(), error.end()), std::string(kApi) + " checks");
+    for (const auto& bytes : all) {
+      std::string theirs(bytes.begin(), bytes.end());
+      if (!theirs.empty() && (error.empty() || theirs < error)) error = std::move(theirs);
+    }
+  }
+  return error;
+}
+
+std::string check_arguments(double max_norm, double norm_type) {
+  std::ostringstream e;
+  if (std::isnan(max_norm) || max_norm < 0) {
+    e << kApi << ": max_norm must be a number >= 0 (+infinity: never clip), got " << max_norm;
+  } else if (std::isnan(norm_type) || norm_type <= 0) {
+    e << kApi << ": norm_type must be > 0 (2: the L2 norm, infinity: the max norm), got " << norm_type;
+  }
+  return e.str();
+}
+
+// The job: this rank's units (each once), the parameters no unit manages, the groups.
+struct Job {
   std::vector<FSDPState*> units;
-  for (const auto& unit : distinct_units_in_tree(root.module())) units.push_back(unit.get());
-  // Sharded gradients are reduced across the shard group (every group holds all shards);
-  // replicated ones (NO_SHARD) are complete on every rank and enter once, locally. Under tensor
-  // parallelism a gradient is also either this rank's piece of a TP-sharded parameter (summed over
-  // the TP group) or whole on every TP rank (entered once): four sums, [dp-sharded, local] x
-  // [TP-sharded, TP-whole].
-  double parts[2][2] = {{0.0, 0.0}, {0.0, 0.0}};  // [dp sharded?][tp sharded?]
-  std::shared_ptr<comm::Communicator> tp_group;
+  std::vector<at::Tensor> unmanaged;  // parameters of the roots' modules no unit manages, once each
+  Comms dp;                           // the roots' communicators, in root order
+  Comms replicate;                    // their replicate groups (HSDP)
+  std::shared_ptr<comm::Communicator> tp;
+  std::string error;                  // this rank's refusal, or ""
+};
+
+void note(Job& job, const std::string& error) {
+  if (job.error.empty()) job.error = error;
+}
+
+Job resolve_job(const std::vector<FSDPModule>& roots) {
+  Job job;
+  std::unordered_set<const void*> managed;
+  for (const FSDPModule& root : roots) {
+    FSDPState& state = detail::state_of(root);
+    add_distinct(job.dp, state.config().comm);
+    add_distinct(job.replicate, state.config().replicate);
+    if (const FSDPState* above = enclosing_unit(state)) {
+      note(job, std::string(kApi) + ": unit '" + name_of(state) + "' is not a root (it is inside unit '" + name_of(*above) +
+                    "'); its gradients' norm would be its subtree's, not the model's. Expected the root of every "
+                    "model part this rank holds (each pipeline stage chunk's root)");
+    }
+    if (const RootContext* context = state.root_context()) {
+      const std::string open = runtime::open_iteration_error(*context, kApi);
+      if (!open.empty()) note(job, open);
+    }
+    for (torch::nn::Module* module : state.modules()) {
+      for (const auto& unit : distinct_units_in_tree(*module)) {
+        if (std::find(job.units.begin(), job.units.end(), unit.get()) != job.units.end()) continue;
+        job.units.push_back(unit.get());
+        add_distinct(job.dp, unit->config().comm);  // the root's, once its first forward checked it
+        add_distinct(job.replicate, unit->config().replicate);
+        for (const auto& handle : unit->handles()) {
+          for (const auto& p : handle->params()) managed.insert(p.param.unsafeGetTensorImpl());
+        }
+      }
+    }
+  }
+  for (const FSDPModule& root : roots) {
+    for (torch::nn::Module* module : root.modules()) {
+      for (const auto& p : module->parameters()) {
+        if (managed.insert(p.unsafeGetTensorImpl()).second) job.unmanaged.push_back(p);
+      }
+    }
+  }
+  // The tp group, from the placements (whether or not a gradient is defined: every rank of the tp
+  // group decides alike).
+  auto consider = [&](const at::Tensor& param) {
+    const auto placement = tensor_placement(param);
+    if (!placement || !placement->sharded() || placement->size() == 1) return;
+    if (!job.tp) {
+      job.tp = placement->group;
+    } else if (job.tp != placement->group) {
+      note(job, std::string(kApi) + ": the tensor-parallel parameters of the model use different groups (" +
+                    placement->describe() + " and another); expected one tensor-parallel group");
+    }
+  };
+  for (FSDPState* unit : job.units) {
+    for (const auto& handle : unit->handles()) {
+      for (const auto& p : handle->params()) consider(p.param);
+    }
+  }
+  for (const auto& p : job.unmanaged) consider(p);
+  return job;
+}
+
+}  // namespace
+
+double clip_grad_norm_(const std::vector<FSDPModule>& roots, double max_norm, double norm_type,
+                       const std::shared_ptr<comm::Communicator>& pipeline_group) {
+  comm::IssuingApi issuing_api(kApi);
+  TORCH_CHECK(!roots.empty(), kApi, ": expected the roots this rank holds (at least one), got none");
+  Job job = resolve_job(roots);
+  const std::string arguments = check_arguments(max_norm, norm_type);
+  if (!arguments.empty()) job.error = arguments;
+  Comms groups = job.dp;
+  groups.insert(groups.end(), job.replicate.begin(), job.replicate.end());
+  add_distinct(groups, job.tp);
+  add_distinct(groups, pipeline_group);
+  const std::string error = agree_on_error(job.error, groups);
+  TORCH_CHECK(error.empty(), error);
+
+  const bool inf = std::isinf(norm_type);
+  // Four kinds of sums: [dp-sharded (per communicator) or whole on every dp rank] x [tp-sharded or
+  // whole on every tp rank]. Sharded ones are summed over their group; whole ones enter once.
+  std::vector<std::array<double, 2>> dp_sharded(job.dp.size(), {0.0, 0.0});
+  std::array<double, 2> whole = {0.0, 0.0};
   std::vector<at::Tensor> grads;
-  auto add = [&](const at::Tensor& param, const at::Tensor& g, bool dp_sharded) {
+  auto add = [&](const at::Tensor& param, const at::Tensor& g, const std::shared_ptr<comm::Communicator>& dp) {
+    if (!g.defined() || g.numel() == 0) return;
     grads.push_back(g);
     const double part = inf ? g.abs().max().item<double>() : g.abs().pow(norm_type).sum().item<double>();
-    bool tp_sharded = false;
-    if (auto placement = tensor_placement(param); placement && placement->sharded() && placement->size() > 1) {
-      TORCH_CHECK(!tp_group || tp_group == placement->group, "fsdp::clip_grad_norm_: the tensor-parallel "
-                  "parameters of the model use different groups; expected one tensor-parallel group");
-      tp_group = placement->group;
-      tp_sharded = true;
-    }
-    double& into = parts[dp_sharded][tp_sharded];
-    into = inf ? std::max(into, part) : into + part;
+    const auto placement = tensor_placement(param);
+    const int tp_sharded = placement && placement->sharded() && placement->size() > 1 ? 1 : 0;
+    const auto it = std::find(job.dp.begin(), job.dp.end(), dp);
+    double& into = it == job.dp.end() ? whole[tp_sharded] : dp_sharded[it - job.dp.begin()][tp_sharded];
+    into = combine(inf, into, part);
   };
-  for (FSDPState* unit : units) {
+  for (FSDPState* unit : job.units) {
     for (const auto& handle : unit->handles()) {
       if (!handle->requires_grad()) continue;
       // Each parameter's `.grad` is its slice of this rank's shard (its whole gradient when the
       // handle does not shard).
-      for (const auto& p : handle->params()) {
-        const at::Tensor& g = p.param.grad();
-        if (!g.defined() || g.numel() == 0) continue;
-        add(p.param, g, handle->is_sharded_strategy());
-      }
+      const auto dp = handle->is_sharded_strategy() ? unit->config().comm : nullptr;
+      for (const auto& p : handle->params()) add(p.param, p.param.grad(), dp);
     }
   }
-  // Parameters no unit manages (ignored ones, or registered after fully_shard): whole and local on
-  // every rank, so their gradients enter locally, once per tensor (FSDP1 does the same with its
-  // non-sharded parameters); they are scaled with the others.
-  std::unordered_set<const void*> managed;
-  for (FSDPState* unit : units) {
-    for (const auto& handle : unit->handles()) {
-      for (const auto& p : handle->params()) managed.insert(p.param.unsafeGetTensorImpl());
-    }
-  }
-  for (const auto& p : root.module().parameters()) {
-    const at::Tensor& g = p.grad();
-    if (!managed.insert(p.unsafeGetTensorImpl()).second || !g.defined() || g.numel() == 0) continue;
-    add(p, g, /*dp_sharded=*/false);
-  }
-  const auto& comm = detail::state_of(root).config().comm;
+  // Ignored parameters and parameters registered after fully_shard: whole and local on every
+  // rank (FSDP1 does the same with its non-sharded parameters); scaled with the others.
+  for (const auto& p : job.unmanaged) add(p, p.grad(), nullptr);
+
   const auto op = inf ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
-  auto combine = [&](double a, double b) { return inf ? std::max(a, b) : a + b; };
-  at::Tensor dp_sums = at::tensor({parts[1][0], parts[1][1]}, at::kDouble).to(comm->device());
-  comm->all_reduce(dp_sums, op, "clip_grad_norm_").wait();
-  dp_sums = dp_sums.cpu();
-  // Whether a TP all-reduce runs is decided from the model's placements, the same on every rank
-  // of the TP group (parallelize_module checks that the group applied one plan).
-  double tp_part = combine(dp_sums[1].item<double>(), parts[0][1]);
-  if (tp_group) {
-    at::Tensor t = at::tensor({tp_part}, at::kDouble).to(tp_group->device());
-    tp_group->all_reduce(t, op, "clip_grad_norm_: tensor parallel").wait();
-    tp_part = t.cpu().item<double>();
+  auto all_reduce = [&](comm::Communicator& group, std::vector<double> values, const std::string& tag) {
+    at::Tensor t = at::tensor(values, at::kDouble).to(group.device());
+    group.all_reduce(t, op, tag).wait();
+    t = t.cpu();
+    for (size_t i = 0; i < values.size(); ++i) values[i] = t[static_cast<int64_t>(i)].item<double>();
+    return values;
+  };
+  double total = whole[0];
+  double tp_part = whole[1];
+  for (size_t i = 0; i < job.dp.size(); ++i) {
+    const auto sums = all_reduce(*job.dp[i], {dp_sharded[i][0], dp_sharded[i][1]}, "clip_grad_norm_");
+    total = combine(inf, total, sums[0]);
+    tp_part = combine(inf, tp_part, sums[1]);
   }
-  double norm = combine(combine(dp_sums[0].item<double>(), parts[0][0]), tp_part);
-  if (!inf) norm = std::pow(norm, 1.0 / norm_type);
+  // Whether a tp all-reduce runs is decided from the model's placements, the same on every rank of
+  // the tp group (parallelize_module checks that the group applied one plan).
+  if (job.tp) tp_part = all_reduce(*job.tp, {tp_part}, "clip_grad_norm_: tensor parallel")[0];
+  total = combine(inf, total, tp_part);
+  if (pipeline_group && pipeline_group->size() > 1) {
+    total = all_reduce(*pipeline_group, {total}, "clip_grad_norm_: pipeline stages")[0];
+  }
+  const double norm = inf ? total : std::pow(total, 1.0 / norm_type);
   const double coefficient = max_norm / (norm + 1e-6);
   if (coefficient < 1.0) {
     c10::NoGradGuard no_grad;
     for (auto& g : grads) g.mul_(coefficient);  // the parameters' .grad themselves
   }
   return norm;
+}
+
+double clip_grad_norm_(const FSDPModule& root, double max_norm, double norm_type) {
+  return clip_grad_norm_(std::vector<FSDPModule>{root}, max_norm, norm_type, nullptr);
 }
 
 }  // namespace fsdp

@@ -24,6 +24,7 @@
 #include "fsdp_cpp/fsdp/derived_groups.h"
 #include "fsdp_cpp/fsdp/tied_parameters.h"
 #include "fsdp_cpp/fsdp/unit_tree.h"
+#include "fsdp_cpp/fsdp/zero_grad.h"
 
 namespace fsdp {
 namespace {
@@ -595,7 +596,21 @@ void FSDPModule::set_reshard_after_backward(bool reshard, bool recurse) {
   for_each_unit(recurse, [reshard](FSDPState& unit) { unit.set_reshard_after_backward(reshard); });
 }
 
-void FSDPModule::set_is_last_backward(bool last) { state_->set_is_last_backward(last); }
+void FSDPModule::set_is_last_backward(bool last) {
+  // [Note: open iterations] in fsdp/open_iteration.h: only the root's is read.
+  if (!last) {
+    if (const FSDPState* above = enclosing_unit(*state_)) {
+      TORCH_CHECK(false, "FSDPModule::set_is_last_backward: unit '", state_->fqn(), "' is not a root (it is "
+                  "inside unit '", above->fqn().empty() ? "<root>" : above->fqn(), "'); only the root's "
+                  "is_last_backward decides whether a backward pass ends the iteration, so setting it to false here "
+                  "would be ignored. Expected the root unit (the outermost module fully_shard was applied to, or each "
+                  "pipeline stage's root)");
+    }
+  }
+  state_->set_is_last_backward(last);
+}
+
+void FSDPModule::zero_grad(bool set_to_none) { runtime::zero_grad(*state_, set_to_none, "FSDPModule::zero_grad"); }
 
 bool FSDPModule::is_last_backward() const { return state_->is_last_backward(); }
 

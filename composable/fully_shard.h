@@ -112,6 +112,29 @@ class FSDPModule {
   void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& units);
   void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& units);
 
+  /// nn.Module::zero_grad for a sharded model: this unit and every unit inside it drop the
+  /// gradients of backward passes not yet reduced (the accumulator of
+  /// set_requires_gradient_sync(false) and HSDP's replicate partial of
+  /// set_requires_all_reduce(false), which optimizer.zero_grad() does not see), and every
+  /// parameter of the unit's modules gets its `.grad` set to none (`set_to_none`) or zeroed. Call
+  /// it on the root to abandon a step after some microbatches (a bad batch, a NaN check, a failed
+  /// pipeline stage): the next step then equals a run without the abandoned microbatches.
+  ///
+  ///   root.set_requires_gradient_sync(false);
+  ///   model(x0).sum().backward();          // accumulated, not reduced
+  ///   if (bad_batch) root.zero_grad();     // abandoned: nothing of x0 reaches the next step
+  ///
+  /// Local: no collective, so a failure path may call it. Every rank must still call it alike:
+  /// each unit counts the calls that dropped pending gradients, and the ranks compare the count
+  /// when the next backward pass begins, so ranks that disagree (one discarded, its peers did
+  /// not) are refused on every rank with an error naming the unit, instead of silently reducing
+  /// different sums. Refused (c10::Error naming FSDPModule::zero_grad and the unit) inside a
+  /// forward or a backward pass of the model and inside a SummonFullParams scope. A forward or
+  /// backward that threw, and an iteration left open by set_is_last_backward(false), are
+  /// abandoned first (graphs of that iteration are refused afterwards). [Note: discarding
+  /// accumulated gradients] in fsdp/zero_grad.h.
+  void zero_grad(bool set_to_none = true);
+
   /// FSDP2's set_is_last_backward, on the root: whether the next backward pass ends the
   /// iteration (default true). Pipeline schedules interleave microbatches (1F1B: forward 2 runs
   /// after backward 0, before backward 1); with false, a backward pass ends without ending the
@@ -119,6 +142,12 @@ class FSDPModule {
   /// graphs stay valid. Set it back to true before the step's last backward (pipeline/schedule.h
   /// does both). Every rank of the unit's group must set it alike (compared at each backward
   /// pass). [Note: backward passes within an iteration] in fsdp/backward.cc.
+  ///
+  /// Refused (c10::Error naming the unit): false on a unit that is not a root (only the root's
+  /// is read). An optimizer step while an iteration is left open (the shards written after a
+  /// backward pass that did not end it) is refused at the next forward or backward pass of the
+  /// root, and fsdp::clip_grad_norm_ refuses to run in an open iteration: [Note: open iterations]
+  /// in fsdp/open_iteration.h says what is and is not detected.
   ///
   ///   root.set_is_last_backward(false);
   ///   auto y0 = model(x0), y1 = model(x1);

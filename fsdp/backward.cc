@@ -11,6 +11,7 @@
 #include "fsdp_cpp/fsdp/backward_reach.h"
 #include "fsdp_cpp/fsdp/divergence.h"
 #include "fsdp_cpp/fsdp/fsdp_state.h"
+#include "fsdp_cpp/fsdp/open_iteration.h"
 #include "fsdp_cpp/fsdp/post_backward_function.h"
 #include "fsdp_cpp/fsdp/root_context.h"
 
@@ -195,7 +196,11 @@ void pre_backward(FSDPState& unit, int64_t tag) {
               "differentiating through gradients, because each unit's unsharded parameters are "
               "freed after its backward. Compute the gradients without create_graph.");
   check_current_iteration(unit, context, tag);
-  if (context.iteration_state().phase() != IterationPhase::kBackward) begin_backward_pass(context);
+  if (context.iteration_state().phase() != IterationPhase::kBackward) {
+    // [Note: open iterations] in fsdp/open_iteration.h: no optimizer step inside one.
+    check_no_step_in_open_iteration(context, "a backward pass");
+    begin_backward_pass(context);
+  }
   // Only where this pre-backward issues the all-gather: the order of pre-backwards that issue none
   // may differ across ranks (a unit's output returned as the root's output on some ranks only).
   if (!unit.is_unsharded() && !unit.unshard_in_flight()) check_before_backward_all_gather(context, unit);

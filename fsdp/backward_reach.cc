@@ -106,7 +106,9 @@ void agree_backward_reach(RootContext& context) {
             << "which collectives the unit issues, so every rank must set them alike "
             << "(FSDPModule::set_requires_gradient_sync, set_gradient_divide_factor, set_requires_all_reduce, "
             << "set_unshard_in_backward, set_reshard_after_backward, and FullyShardOptions' all_gather_codec and "
-            << "reduce_codec):";
+            << "reduce_codec), and every rank must discard the unit's accumulated gradients alike "
+            << "(FSDPModule::zero_grad dropped gradients of passes not yet reduced on some ranks only: call it on "
+            << "every rank, [Note: discarding accumulated gradients] in fsdp/zero_grad.h):";
     for (comm::Communicator* group : {comm.get(), replicate.get()}) {
       if (group == nullptr || group->size() == 1) continue;
       const auto all = group->all_gather_bytes(std::vector<uint8_t>(mine.begin(), mine.end()), "backward reach controls");

@@ -18,7 +18,9 @@
 //     zero_grad(set_to_none)), as in local training and DDP.
 // The same all-reduce carries, per unit, a hash of the controls that decide its backward
 // collectives (FSDPState::controls_string: gradient sync, divide factor, replicate all-reduce,
-// unshard and reshard in backward), so a control set on some ranks only is refused on every rank,
+// unshard and reshard in backward, and how many times zero_grad discarded its pending gradients:
+// [Note: discarding accumulated gradients] in fsdp/zero_grad.h), so a control set on some ranks
+// only is refused on every rank,
 // naming the unit, in every iteration and before any gradient moves.
 // The same all-reduce carries a hash of the units each rank ran in forward, in order, so a unit
 // called on some ranks only (an expert that got no tokens and was skipped) is refused on every

@@ -403,6 +403,17 @@ void FlatParamGrad::discard() {
   finalized_in_pass_ = false;
 }
 
+bool FlatParamGrad::drop_accumulated() {
+  TORCH_CHECK(!grads_prepared_ && !pending_reduce_.valid() && !pending_replicate_.valid() && !reduce_output_.defined() &&
+                  !replicate_output_.defined(),
+              "FSDPModule::zero_grad: unit '", storage_.unit_fqn(), "': the accumulated gradients cannot be discarded while a backward "
+              "pass holds them (expected no pass in progress, found one prepared or a reduction in flight)");
+  const bool held = accumulated_grad_.defined() || replicate_partial_.defined();
+  accumulated_grad_ = at::Tensor();
+  replicate_partial_ = at::Tensor();
+  return held;
+}
+
 void FlatParamGrad::set_sharded_views(const at::Tensor& grad) {
   const auto& params = storage_.params();
   for (size_t i = 0; i < params.size(); ++i) {

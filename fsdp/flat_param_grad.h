@@ -162,6 +162,13 @@ class FlatParamGrad {
   /// added to are dropped; the replicate partial is what it was before the pass).
   void discard();
 
+  /// [Note: discarding accumulated gradients] in fsdp/zero_grad.h: drops the no-sync accumulator
+  /// and the replicate partial (the gradients of backward passes not yet reduced, or not yet
+  /// all-reduced across the replicas), outside a backward pass (nothing prepared or in flight:
+  /// refused otherwise, naming the unit). Local. Returns whether either held gradients. `.grad`
+  /// is the caller's (FSDPModule::zero_grad sets it to none or zeroes it).
+  bool drop_accumulated();
+
   /// The no-sync accumulator (see the invariants), or undefined.
   const at::Tensor& accumulated() const { return accumulated_grad_; }
   /// The replicate partial (see the invariants), or undefined.

@@ -148,6 +148,14 @@ class FlatParamHandle {
   /// shard itself without sharding. Parameter i is at layout().entries[i].offset. For state dicts.
   at::Tensor gather_full_precision() const;
 
+  /// Drops the gradients accumulated without sync and the replicate partial, outside a backward
+  /// pass ([Note: discarding accumulated gradients] in fsdp/zero_grad.h). Returns whether either
+  /// held gradients.
+  bool discard_accumulated_gradients() { return grad_.drop_accumulated(); }
+  /// The version counters of the shard and of the parameters, summed: it grows whenever the shard
+  /// is written (an optimizer step writes it through the parameters while they are sharded).
+  int64_t shard_version() const { return storage_.shard_version(); }
+
   /// The gradients accumulated without sync and not reduced yet: this rank's own local sum over
   /// those backward passes, 1-D padded [padded_numel] in the reduce dtype on the compute device
   /// (parameter i at layout().entries[i].offset), or undefined when there are none. Read by

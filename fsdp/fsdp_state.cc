@@ -169,6 +169,7 @@ std::string FSDPState::controls_string() const {
   // The codecs decide which collectives the unit issues too ([Note: communication codecs]).
   s << ", all_gather_codec " << codec_name(config_.options.all_gather_codec()) << ", reduce_codec "
     << codec_name(config_.options.reduce_codec());
+  s << ", accumulated gradients discarded by zero_grad " << gradient_discards_ << " times";
   return s.str();
 }
 

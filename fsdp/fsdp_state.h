@@ -182,8 +182,17 @@ class FSDPState final : public contract::ApiState {
     unshard_in_backward_ = unshard;
     refresh_controls_hash();
   }
+  /// How many times FSDPModule::zero_grad dropped gradients this unit held between backward passes
+  /// (its no-sync accumulator or replicate partial): ranks that disagree would reduce different
+  /// sums, so it is one of the controls the ranks compare ([Note: discarding accumulated
+  /// gradients] in fsdp/zero_grad.h).
+  int64_t gradient_discards() const { return gradient_discards_; }
+  void count_gradient_discard() {
+    ++gradient_discards_;
+    refresh_controls_hash();
+  }
   /// The controls above (gradient sync, divide factor, replicate all-reduce, unshard and reshard
-  /// in backward) as one line, for the ranks to compare ([Note: backward reach]).
+  /// in backward, the discards) as one line, for the ranks to compare ([Note: backward reach]).
   std::string controls_string() const;
   /// A 62-bit FNV-1a hash of controls_string() (its negation stays representable in a MAX
   /// all-reduce), kept up to date by the setters: every backward pass compares it across the
@@ -248,6 +257,7 @@ class FSDPState final : public contract::ApiState {
   bool reshard_after_backward_ = true;
   bool is_last_backward_ = true;
   bool unshard_in_backward_ = true;
+  int64_t gradient_discards_ = 0;
   int64_t controls_hash_ = 0;  // controls_hash(): set by the constructor and each control's setter
   bool full_params_summoned_ = false;
   UnitIteration iteration_;

@@ -11,6 +11,7 @@ bool IterationState::ran_forward(const FSDPState& unit) const {
 void IterationState::begin_iteration() {
   ++generation_;
   forward_order_.clear();
+  passes_within_iteration_ = 0;
 }
 
 void IterationState::enter_root_forward(bool nested) {
@@ -28,6 +29,7 @@ void IterationState::end_iteration() {
   previous_forward_order_ = forward_order_;
   phase_ = IterationPhase::kIdle;
   ++iterations_;
+  passes_within_iteration_ = 0;
 }
 
 void IterationState::end_passthrough_iteration() {
@@ -39,6 +41,7 @@ void IterationState::discard() {
   forward_order_.clear();
   phase_ = IterationPhase::kIdle;
   in_root_forward_ = false;
+  passes_within_iteration_ = 0;
 }
 
 }  // namespace fsdp

@@ -50,6 +50,9 @@ class IterationState {
   const std::vector<FSDPState*>& previous_forward_order() const { return previous_forward_order_; }
   /// Whether `unit` ran its pre-forward this iteration.
   bool ran_forward(const FSDPState& unit) const;
+  /// Backward passes that ended without ending this iteration (the root's is_last_backward false:
+  /// [Note: backward passes within an iteration] in fsdp/backward.cc); 0 when none did.
+  int passes_within_iteration() const { return passes_within_iteration_; }
 
   /// A new iteration begins: a new generation, no unit has run yet.
   void begin_iteration();
@@ -71,7 +74,10 @@ class IterationState {
   /// A backward pass ended but the iteration goes on (the root's is_last_backward is false and
   /// graphs of the iteration's forwards are still live): phase kForward, so the next root forward
   /// continues the iteration and backward passes through those graphs stay valid.
-  void end_pass_within_iteration() { phase_ = IterationPhase::kForward; }
+  void end_pass_within_iteration() {
+    phase_ = IterationPhase::kForward;
+    ++passes_within_iteration_;
+  }
   /// A passthrough backward pass ended (one rank: nothing is prefetched, so no order is kept):
   /// phase kIdle, one more iteration counted.
   void end_passthrough_iteration();
@@ -88,6 +94,7 @@ class IterationState {
   IterationPhase phase_ = IterationPhase::kIdle;
   int64_t generation_ = 0;
   int64_t iterations_ = 0;
+  int passes_within_iteration_ = 0;
   bool in_root_forward_ = false;
   bool root_nested_ = false;
   bool checked_sharded_use_ = false;

@@ -25,6 +25,7 @@ RootContext::RootContext(FSDPState& root, std::vector<FSDPState*> states, UnitAn
 
 void RootContext::begin_iteration() {
   iteration_.begin_iteration();
+  shards_at_pass_end_.clear();
   reductions_.begin_iteration();
   for (FSDPState* unit : states_) unit->iteration().reset();
   divergence_.begin_iteration(iteration_.iterations());
@@ -39,9 +40,20 @@ void RootContext::end_backward_pass(bool ends_iteration) {
   reductions_.end_pass();
   if (ends_iteration) {
     iteration_.end_iteration();
+    shards_at_pass_end_.clear();
   } else {
     iteration_.end_pass_within_iteration();
+    shards_at_pass_end_.take(states_);
   }
+}
+
+bool RootContext::iteration_left_open() const {
+  return iteration_.phase() == IterationPhase::kForward && !iteration_.in_root_forward() &&
+         iteration_.passes_within_iteration() > 0 && any_unit_may_get_gradients();
+}
+
+bool RootContext::shards_written_since_pass_within_iteration() const {
+  return iteration_.passes_within_iteration() > 0 && shards_at_pass_end_.changed(states_);
 }
 
 bool RootContext::any_unit_may_get_gradients() const {
@@ -55,6 +67,7 @@ void RootContext::discard() {
   reductions_.discard();
   scheduler_.forget_in_flight();
   iteration_.discard();
+  shards_at_pass_end_.clear();
 }
 
 void RootContext::check_ranks_agree(Fingerprint fingerprint) {

@@ -7,7 +7,8 @@
 //   - UnshardScheduler (fsdp/unshard_scheduler.h): unshard, prefetch, reshard within a limit;
 //   - BackwardReductionQueue (fsdp/backward_reduction_queue.h): the order gradients are reduced in;
 //   - DivergenceCheck (fsdp/divergence_check.h): whether and how ranks compare what they do;
-//   - SetAsideGradients (fsdp/set_aside_gradients.h): a passthrough backward's undo record.
+//   - SetAsideGradients (fsdp/set_aside_gradients.h): a passthrough backward's undo record;
+//   - ShardSnapshot (fsdp/shard_snapshot.h): the shards when a pass ended within an iteration.
 // The transitions that span several parts (an iteration begins, a backward pass begins or ends,
 // an iteration is discarded) are methods here, so the parts always agree.
 
@@ -21,6 +22,7 @@
 #include "fsdp_cpp/fsdp/divergence_check.h"
 #include "fsdp_cpp/fsdp/iteration_state.h"
 #include "fsdp_cpp/fsdp/set_aside_gradients.h"
+#include "fsdp_cpp/fsdp/shard_snapshot.h"
 #include "fsdp_cpp/fsdp/unshard_scheduler.h"
 
 namespace fsdp {
@@ -64,6 +66,14 @@ class RootContext {
   /// Whether backward can still reach some unit of the tree (a live call whose outputs need a
   /// gradient).
   bool any_unit_may_get_gradients() const;
+  /// [Note: open iterations] in fsdp/open_iteration.h: a backward pass ended without ending the
+  /// iteration (the root's is_last_backward false), and a graph of its forwards is still live, so
+  /// more backward passes of this iteration are expected; outside any forward or backward.
+  bool iteration_left_open() const;
+  /// Whether some unit's shard was written (an optimizer step) since the last backward pass that
+  /// ended without ending the iteration (fsdp/shard_snapshot.h says what is seen). False when no
+  /// such pass ended this iteration.
+  bool shards_written_since_pass_within_iteration() const;
   /// A forward or backward threw (every unit already resharded and idle): nothing in flight,
   /// reduced or ordered, phase kIdle.
   void discard();
@@ -89,6 +99,7 @@ class RootContext {
   BackwardReductionQueue reductions_;
   DivergenceCheck divergence_;
   SetAsideGradients passthrough_saved_grads_;
+  ShardSnapshot shards_at_pass_end_;  // when the last pass within the iteration ended
 };
 
 /// The units `unit` prefetches: `explicit_targets` if set, else the one next to it in `order`

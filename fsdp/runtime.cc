@@ -14,6 +14,7 @@
 #include "fsdp_cpp/fsdp/divergence.h"
 #include "fsdp_cpp/fsdp/fsdp_state.h"
 #include "fsdp_cpp/fsdp/lazy_init.h"
+#include "fsdp_cpp/fsdp/open_iteration.h"
 #include "fsdp_cpp/fsdp/root_context.h"
 #include "fsdp_cpp/fsdp/sharded_use_guard.h"
 
@@ -62,6 +63,9 @@ void root_pre_forward(RootContext& context) {
     for (FSDPState* unit : context.states()) {
       for (const auto& handle : unit->handles()) handle->drop_post_forward_shard();
     }
+  } else {
+    // [Note: open iterations] in fsdp/open_iteration.h: no optimizer step inside one.
+    check_no_step_in_open_iteration(context, "this forward");
   }
   iteration.enter_root_forward(/*nested=*/contract::hooked_forward_depth() > 1);  // this call counts one
   // [Note: streams] The optimizer step (or a state-dict load) wrote the shards on the compute

@@ -4,8 +4,10 @@
 
 #include <torch/nn/module.h>
 
+#include "fsdp_cpp/contract/module_fqn.h"
 #include "fsdp_cpp/contract/module_state.h"
 #include "fsdp_cpp/fsdp/fsdp_state.h"
+#include "fsdp_cpp/fsdp/root_context.h"
 
 namespace fsdp {
 
@@ -28,6 +30,21 @@ std::vector<std::shared_ptr<FSDPState>> distinct_units_in_tree(torch::nn::Module
     }
   }
   return distinct;
+}
+
+const FSDPState* enclosing_unit(const FSDPState& unit) {
+  if (const RootContext* context = unit.root_context()) {
+    return context->root() == &unit ? nullptr : context->root();
+  }
+  auto& registry = contract::ModuleStateRegistry::global();
+  for (const auto& other : registry.modules_with(kFullyShardApi)) {
+    const auto state = registry.get_as<FSDPState>(*other, kFullyShardApi);
+    if (!state || state.get() == &unit) continue;
+    for (torch::nn::Module* module : unit.modules()) {
+      if (contract::find_module_fqn(*other, *module).has_value()) return state.get();
+    }
+  }
+  return nullptr;
 }
 
 }  // namespace fsdp

@@ -30,4 +30,10 @@ std::vector<UnitInTree> units_in_tree(torch::nn::Module& root, bool include_root
 std::vector<std::shared_ptr<FSDPState>> distinct_units_in_tree(torch::nn::Module& root,
                                                                bool include_root = true);
 
+/// A unit whose module contains one of `unit`'s modules (so `unit` is not a root), or null when
+/// `unit` is a root. After the root's first forward (lazy initialisation) from the root context;
+/// before it, from the units registered so far (fully_shard is applied bottom-up, so a unit above
+/// exists once its fully_shard ran).
+const FSDPState* enclosing_unit(const FSDPState& unit);
+
 }  // namespace fsdp

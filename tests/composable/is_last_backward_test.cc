@@ -2,13 +2,17 @@
 // fsdp/backward.cc), over MPI on every world size: microbatches whose forwards and backwards
 // interleave as a 1F1B pipeline stage runs them (F0 F1 B0 F2 B1 F3 B2 B3) train like the unsharded
 // model on the whole batch; without the control the backward through an earlier forward's graph
-// is refused naming it; a rank that sets it differently is refused on every rank.
+// is refused naming it; a rank that sets it differently is refused on every rank. [Note: open
+// iterations]: set on a non-root unit is refused; an optimizer step inside an iteration left open
+// is refused at the next forward or backward pass; clip_grad_norm_ refuses an open iteration and
+// zero_grad abandons it.
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <torch/optim/sgd.h>
 
+#include "fsdp_cpp/composable/clip_grad_norm.h"
 #include "fsdp_cpp/composable/fully_shard.h"
 #include "fsdp_cpp/composable/summon_full_params.h"
 #include "fsdp_cpp/tests/composable/test_models.h"
@@ -120,4 +124,120 @@ FSDP_RANKS_TEST_CASE("set_is_last_backward set on some ranks only is refused on 
   auto l = loss_of(model(x), y);
   const std::string e = fsdp::testing::error_of([&] { l.backward(); });
   CHECK_THAT(e, Contains("the ranks set different controls") && Contains("is_last_backward"));
+}
+
+// [Note: open iterations] in fsdp/open_iteration.h: what is refused around set_is_last_backward.
+
+FSDP_RANKS_TEST_CASE("set_is_last_backward(false) on a unit that is not a root is refused, naming it", "[is_last_backward]") {
+  auto comm = fsdp::testing::fresh_comm();
+  MlpStack model = make_model();
+  auto units = shard(model, comm);
+  // Before the first forward: from the units registered so far.
+  const std::string before = fsdp::testing::error_of([&] { units[1].set_is_last_backward(false); });
+  CHECK_THAT(before, Contains("FSDPModule::set_is_last_backward: unit '" + units[1].fqn() + "' is not a root") &&
+                         Contains("only the root's is_last_backward"));
+  CHECK(units[1].is_last_backward());
+  units[1].set_is_last_backward(true);  // the default: nothing would be ignored
+  const auto [x, y] = microbatch(0, fsdp::testing::rank(), 0);
+  loss_of(model(x), y).backward();
+  // After it: from the root context.
+  const std::string after = fsdp::testing::error_of([&] { units[0].set_is_last_backward(false); });
+  CHECK_THAT(after, Contains("FSDPModule::set_is_last_backward: unit 'blocks.0' is not a root (it is inside unit "
+                             "'<root>')"));
+  CHECK(units[0].is_last_backward());
+  units.back().set_is_last_backward(false);  // the root
+  CHECK_FALSE(units.back().is_last_backward());
+  units.back().set_is_last_backward(true);
+}
+
+FSDP_RANKS_TEST_CASE("an optimizer step inside an iteration left open by set_is_last_backward(false) is refused", "[is_last_backward]") {
+  const int w = fsdp::testing::world_size(), q = fsdp::testing::rank();
+  for (const std::string next : {"forward", "backward"}) {
+    INFO("the " << next << " after the step");
+    auto comm = fsdp::testing::fresh_comm();
+    MlpStack model = make_model();
+    auto units = shard(model, comm);
+    fsdp::FSDPModule root = units.back();
+    torch::optim::SGD optim(model->parameters(), torch::optim::SGDOptions(0.1));
+    const auto [x0, y0] = microbatch(0, q, 0);
+    const auto [x1, y1] = microbatch(0, q, 1);
+    auto l0 = loss_of(model(x0), y0);
+    auto l1 = loss_of(model(x1), y1);
+    root.set_is_last_backward(false);
+    l0.backward();
+    optim.step();  // the iteration is still open: l1's backward is expected (LibTorch's SGD writes p.data())
+    const std::string e = fsdp::testing::error_of([&] {
+      if (next == "forward") {
+        loss_of(model(x0), y0);
+      } else {
+        l1.backward();
+      }
+    });
+    if (w == 1) {
+      // One rank: every handle is a passthrough, each backward pass ends its iteration, and nothing
+      // is kept between passes: not detected ([Note: open iterations]).
+      CHECK(e == fsdp::testing::kNoError);
+    } else {
+      CHECK_THAT(e, Contains("fully_shard: root '<root>': " + std::string(next == "forward" ? "this forward" : "a backward pass") +
+                             " would continue an iteration left open by FSDPModule::set_is_last_backward(false)") &&
+                        Contains("shards were written since") && Contains("set_is_last_backward(true)"));
+      CHECK(fsdp::testing::same_on_every_rank(e));
+    }
+    // The iteration was discarded: the next step is a new one and trains.
+    root.set_is_last_backward(true);
+    l0 = l1 = at::Tensor();
+    optim.zero_grad();
+    const auto [x2, y2] = microbatch(1, q, 0);
+    CHECK(fsdp::testing::error_of([&] { loss_of(model(x2), y2).backward(); }) == fsdp::testing::kNoError);
+    CHECK(root.sharded_grad_bytes() > 0);
+  }
+}
+
+FSDP_RANKS_TEST_CASE("clip_grad_norm_ in an iteration left open is refused on every rank; zero_grad abandons it", "[is_last_backward]") {
+  const int w = fsdp::testing::world_size(), q = fsdp::testing::rank();
+  auto comm = fsdp::testing::fresh_comm();
+  MlpStack model = make_model();
+  MlpStack reference = make_model();
+  auto units = shard(model, comm);
+  fsdp::FSDPModule root = units.back();
+  torch::optim::SGD optim(model->parameters(), torch::optim::SGDOptions(0.1));
+  const auto [x0, y0] = microbatch(0, q, 0);
+  const auto [x1, y1] = microbatch(0, q, 1);
+  auto l0 = loss_of(model(x0), y0);
+  auto l1 = loss_of(model(x1), y1);
+  root.set_is_last_backward(false);
+  l0.backward();
+  const std::string e = fsdp::testing::error_of([&] { fsdp::clip_grad_norm_(root, 1.0); });
+  if (w == 1) {
+    CHECK(e == fsdp::testing::kNoError);  // one rank: the pass ended the iteration (passthrough)
+  } else {
+    CHECK_THAT(e, Contains("fsdp::clip_grad_norm_: root '<root>' is in the middle of an iteration") &&
+                      Contains("set_is_last_backward(false)") && Contains("root.zero_grad()"));
+    CHECK(fsdp::testing::same_on_every_rank(e));
+  }
+  // Abandoned: l1's graph belongs to an earlier iteration now.
+  root.zero_grad();
+  root.set_is_last_backward(true);
+  if (w > 1) {
+    CHECK_THAT(fsdp::testing::error_of([&] { l1.backward(); }), Contains("graph of an earlier iteration"));
+  }
+  l0 = l1 = at::Tensor();
+  root.zero_grad();
+  // The next step trains like the unsharded model on it alone.
+  const auto [x2, y2] = microbatch(1, q, 0);
+  loss_of(model(x2), y2).backward();
+  CHECK(fsdp::clip_grad_norm_(root, 1e9) > 0.0);
+  optim.step();
+  torch::optim::SGD ref_optim(reference->parameters(), torch::optim::SGDOptions(0.1));
+  for (int r = 0; r < w; ++r) {
+    const auto [x, y] = microbatch(1, r, 0);
+    (loss_of(reference(x), y) / w).backward();
+  }
+  ref_optim.step();
+  fsdp::SummonFullParams full(root);
+  const auto ref_params = reference->named_parameters();
+  for (const auto& item : model->named_parameters()) {
+    INFO(item.key());
+    CHECK(at::allclose(item.value(), *ref_params.find(item.key()), 1e-5, 1e-6));
+  }
 }
