@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <unordered_set>
@@ -12,6 +13,7 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
+#include "fsdp_cpp/comm/agreement.h"
 #include "fsdp_cpp/comm/issuing_api.h"
 #include "fsdp_cpp/composable/fully_shard_internal.h"
 #include "fsdp_cpp/composable/tensor_placement.h"
@@ -39,27 +41,12 @@ double combine(bool inf, double a, double b) {
   return std::max(a, b);
 }
 
-// Every rank's error, agreed before the first collective: exchanged over each group in turn. The
-// groups are the dimensions of the job's mesh (each rank's dp, replicate, tp and pipeline groups),
-// so after the last exchange every rank holds the smallest error of any rank of the job (the same
-// text everywhere), or "" when no rank refused. (A shared agreement helper will replace this one.)
-std::string agree_on_error(std::string error, const Comms& groups) {
-  for (const auto& group : groups) {
-    const auto all = group->all_gather_bytes(std::vector<uint8_t>(error.begin(), error.end()), std::string(kApi) + " checks");
-    for (const auto& bytes : all) {
-      std::string theirs(bytes.begin(), bytes.end());
-      if (!theirs.empty() && (error.empty() || theirs < error)) error = std::move(theirs);
-    }
-  }
-  return error;
-}
-
 std::string check_arguments(double max_norm, double norm_type) {
   std::ostringstream e;
   if (std::isnan(max_norm) || max_norm < 0) {
-    e << kApi << ": max_norm must be a number >= 0 (+infinity: never clip), got " << max_norm;
+    e << "max_norm must be a number >= 0 (+infinity: never clip), got " << max_norm;
   } else if (std::isnan(norm_type) || norm_type <= 0) {
-    e << kApi << ": norm_type must be > 0 (2: the L2 norm, infinity: the max norm), got " << norm_type;
+    e << "norm_type must be > 0 (2: the L2 norm, infinity: the max norm), got " << norm_type;
   }
   return e.str();
 }
@@ -86,12 +73,12 @@ Job resolve_job(const std::vector<FSDPModule>& roots) {
     add_distinct(job.dp, state.config().comm);
     add_distinct(job.replicate, state.config().replicate);
     if (const FSDPState* above = enclosing_unit(state)) {
-      note(job, std::string(kApi) + ": unit '" + name_of(state) + "' is not a root (it is inside unit '" + name_of(*above) +
+      note(job, "unit '" + name_of(state) + "' is not a root (it is inside unit '" + name_of(*above) +
                     "'); its gradients' norm would be its subtree's, not the model's. Expected the root of every "
                     "model part this rank holds (each pipeline stage chunk's root)");
     }
     if (const RootContext* context = state.root_context()) {
-      const std::string open = runtime::open_iteration_error(*context, kApi);
+      const std::string open = runtime::open_iteration_error(*context);
       if (!open.empty()) note(job, open);
     }
     for (torch::nn::Module* module : state.modules()) {
@@ -121,7 +108,7 @@ Job resolve_job(const std::vector<FSDPModule>& roots) {
     if (!job.tp) {
       job.tp = placement->group;
     } else if (job.tp != placement->group) {
-      note(job, std::string(kApi) + ": the tensor-parallel parameters of the model use different groups (" +
+      note(job, "the tensor-parallel parameters of the model use different groups (" +
                     placement->describe() + " and another); expected one tensor-parallel group");
     }
   };
@@ -147,8 +134,10 @@ double clip_grad_norm_(const std::vector<FSDPModule>& roots, double max_norm, do
   groups.insert(groups.end(), job.replicate.begin(), job.replicate.end());
   add_distinct(groups, job.tp);
   add_distinct(groups, pipeline_group);
-  const std::string error = agree_on_error(job.error, groups);
-  TORCH_CHECK(error.empty(), error);
+  // [Note: error agreement] in comm/agreement.h: before the first collective, over every group
+  // the function communicates on (the roots' communicators and replicate groups, the tp group, the
+  // pipeline group: together they span the job), so every rank refuses with the same error.
+  comm::throw_if_any_error(groups, job.error.empty() ? std::nullopt : std::optional<std::string>(job.error), kApi);
 
   const bool inf = std::isinf(norm_type);
   // Four kinds of sums: [dp-sharded (per communicator) or whole on every dp rank] x [tp-sharded or

@@ -35,8 +35,10 @@ namespace fsdp {
 ///     stages' totals are summed (the max taken for the max norm).
 /// Collective: every rank of the job calls it, with the same groups. Before the first collective
 /// the ranks exchange their checks' outcome over every group it communicates on (the roots'
-/// communicators, their replicate groups, the tp group, the pipeline group, in that order), so a
-/// refusal on one rank is the same c10::Error on every rank and no rank is left waiting: max_norm
+/// communicators, their replicate groups, the tp group, the pipeline group, in that order:
+/// [Note: error agreement] in comm/agreement.h), so a refusal on one rank is the same c10::Error
+/// on every rank ("fsdp::clip_grad_norm_: rank R: ...", the lowest such rank's) and no rank is
+/// left waiting: max_norm
 /// negative or NaN (+infinity: never clips), norm_type <= 0 or NaN, a unit in `roots` that is not
 /// a root (inside another unit: it would clip by its subtree's norm; detected before and after the
 /// first forward), tensor-parallel parameters over several tp groups, a root whose iteration is

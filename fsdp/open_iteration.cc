@@ -30,9 +30,9 @@ void check_no_step_in_open_iteration(RootContext& context, const std::string& ev
               "was discarded; the next forward begins a new one");
 }
 
-std::string open_iteration_error(const RootContext& context, const std::string& api) {
+std::string open_iteration_error(const RootContext& context) {
   if (!context.iteration_left_open()) return "";
-  return api + ": root '" + root_name(context) + "' is in the middle of an iteration: " +
+  return "root '" + root_name(context) + "' is in the middle of an iteration: " +
          std::to_string(context.iteration_state().passes_within_iteration()) +
          " backward pass(es) ended without ending it (FSDPModule::set_is_last_backward(false) on the root) "
          "and a graph of its forwards is still live, so more backward passes of this step are expected and the "

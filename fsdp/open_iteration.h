@@ -40,9 +40,10 @@ namespace runtime {
 /// ended, discards the iteration and throws a c10::Error naming the root and set_is_last_backward.
 void check_no_step_in_open_iteration(RootContext& context, const std::string& event);
 
-/// "" unless the root's iteration is left open (RootContext::iteration_left_open); else the error
-/// that `api` (e.g. "fsdp::clip_grad_norm_") gives, naming the root and set_is_last_backward.
-std::string open_iteration_error(const RootContext& context, const std::string& api);
+/// "" unless the root's iteration is left open (RootContext::iteration_left_open); else why an API
+/// that needs the step's gradients (fsdp::clip_grad_norm_, which prefixes its name) refuses it,
+/// naming the root and set_is_last_backward.
+std::string open_iteration_error(const RootContext& context);
 
 }  // namespace runtime
 }  // namespace fsdp

@@ -251,23 +251,26 @@ FSDP_RANKS_TEST_CASE("clip_grad_norm_'s refusals on one rank reach every rank, g
   // A unit inside a root, before the first forward (nothing is initialised yet).
   std::vector<fsdp::FSDPModule> with_inner = part.roots;
   if (rank() == bad) with_inner[0] = part.units[0][0];
-  CHECK_THAT(refused(1.0, 2.0, with_inner), Contains("fsdp::clip_grad_norm_: unit '") && Contains("' is not a root"));
+  // [Note: error agreement]: the refusing rank's world rank (the mesh's groups know it).
+  const std::string from_bad =
+      "fsdp::clip_grad_norm_: " + (W == 1 ? std::string("this rank") : "rank " + std::to_string(bad)) + ": ";
+  CHECK_THAT(refused(1.0, 2.0, with_inner), Contains(from_bad + "unit '") && Contains("' is not a root"));
 
   Chain reference = make_chain();
   backward_chunks(part, reference);
   std::vector<Grads> before;
   for (auto& chunk : part.chunks) before.push_back(grads_of(*chunk));
   CHECK_THAT(refused(mine(1.0, -0.5), 2.0, part.roots),
-             Contains("fsdp::clip_grad_norm_: max_norm must be a number >= 0 (+infinity: never clip), got -0.5"));
-  CHECK_THAT(refused(mine(1.0, nan), 2.0, part.roots), Contains("fsdp::clip_grad_norm_: max_norm must be a number >= 0"));
-  CHECK_THAT(refused(1.0, mine(2.0, 0.0), part.roots), Contains("fsdp::clip_grad_norm_: norm_type must be > 0"));
+             Contains(from_bad + "max_norm must be a number >= 0 (+infinity: never clip), got -0.5"));
+  CHECK_THAT(refused(mine(1.0, nan), 2.0, part.roots), Contains(from_bad + "max_norm must be a number >= 0"));
+  CHECK_THAT(refused(1.0, mine(2.0, 0.0), part.roots), Contains(from_bad + "norm_type must be > 0"));
   CHECK_THAT(refused(1.0, mine(2.0, -1.0), part.roots), Contains("norm_type must be > 0") && Contains("got -1"));
   // After the first forward: the block unit's name is its FQN under the stage's root.
   with_inner = part.roots;
   if (rank() == bad) with_inner[0] = part.units[0][0];
   const std::string inner = "blocks." + std::to_string(part.ranges[0].begin);
   const std::string e = refused(1.0, 2.0, with_inner);
-  CHECK_THAT(e, Contains("fsdp::clip_grad_norm_: unit '") && Contains("is not a root (it is inside unit '<root>')"));
+  CHECK_THAT(e, Contains(from_bad + "unit '") && Contains("is not a root (it is inside unit '<root>')"));
   if (rank() == bad) CHECK_THAT(e, Contains("unit '" + inner + "'"));
   for (size_t c = 0; c < part.chunks.size(); ++c) {
     for (const auto& [key, g] : grads_of(*part.chunks[c])) {

@@ -211,7 +211,7 @@ FSDP_RANKS_TEST_CASE("clip_grad_norm_ in an iteration left open is refused on ev
   if (w == 1) {
     CHECK(e == fsdp::testing::kNoError);  // one rank: the pass ended the iteration (passthrough)
   } else {
-    CHECK_THAT(e, Contains("fsdp::clip_grad_norm_: root '<root>' is in the middle of an iteration") &&
+    CHECK_THAT(e, Contains("fsdp::clip_grad_norm_: group rank 0: root '<root>' is in the middle of an iteration") &&
                       Contains("set_is_last_backward(false)") && Contains("root.zero_grad()"));
     CHECK(fsdp::testing::same_on_every_rank(e));
   }
