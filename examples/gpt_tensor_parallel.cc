@@ -69,6 +69,8 @@ TensorParallelPlan gpt_tensor_parallel_plan(const GPTImpl& model, const GptTenso
 GptLossFunction parallelize_gpt(GPT& model, const std::shared_ptr<comm::Communicator>& group,
                                 const GptTensorParallel& options) {
   const bool sp = options.sequence_parallel();
+  TORCH_CHECK(model->config().n_heads() % group->size() == 0, "parallelize_gpt: the attention heads split over the ",
+              group->size(), " tensor-parallel ranks; n_heads ", model->config().n_heads(), " is not a multiple of it");
   if (sp) {
     TORCH_CHECK(model->config().context_length() % group->size() == 0, "parallelize_gpt: sequence parallelism "
                 "splits the sequence over ", group->size(), " ranks; the context length ",

@@ -35,23 +35,25 @@ int ParallelMesh::data_rank() const {
 }
 
 ParallelMesh ParallelMesh::create(comm::Communicator& world, const ParallelDims& dims) {
-  // Every rank checks the same arguments alike; ranks given different layouts would build
-  // different meshes (and hang in their splits), so the layouts are compared first.
-  const ParallelDims resolved = dims.resolved(world.size());
+  // Ranks given different layouts would build different meshes (and hang in their splits), so the
+  // layouts are compared first; then every rank checks the same arguments alike.
   if (world.size() > 1) {
     const int32_t mine[4] = {dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp};
     std::vector<uint8_t> bytes(sizeof(mine));
     std::memcpy(bytes.data(), mine, sizeof(mine));
     const auto all = world.all_gather_bytes(bytes, "ParallelMesh::create");
-    for (size_t r = 0; r < all.size(); ++r) {
-      if (all[r] == bytes) continue;
-      int32_t theirs[4];
-      std::memcpy(theirs, all[r].data(), sizeof(theirs));
-      const ParallelDims other{theirs[0], theirs[1], theirs[2], theirs[3]};
-      TORCH_CHECK(false, "ParallelMesh::create: every rank must be given the same ParallelDims; rank ",
-                  world.rank(), " was given ", dims.describe(), ", rank ", r, " ", other.describe());
+    // Each rank compared with rank 0, so every rank reports the same pair.
+    auto dims_of = [](const std::vector<uint8_t>& b) {
+      int32_t v[4];
+      std::memcpy(v, b.data(), sizeof(v));
+      return ParallelDims{v[0], v[1], v[2], v[3]};
+    };
+    for (size_t r = 1; r < all.size(); ++r) {
+      TORCH_CHECK(all[r] == all[0], "ParallelMesh::create: every rank must be given the same ParallelDims; rank 0 "
+                  "was given ", dims_of(all[0]).describe(), ", rank ", r, " ", dims_of(all[r]).describe());
     }
   }
+  const ParallelDims resolved = dims.resolved(world.size());
   auto mesh = comm::DeviceMesh::create(world, {resolved.pp, resolved.dp_replicate, resolved.dp_shard, resolved.tp},
                                        {"pp", "dp_replicate", "dp_shard", "tp"});
   auto dp = mesh->flattened_group({"dp_replicate", "dp_shard"});
