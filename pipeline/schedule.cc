@@ -129,6 +129,10 @@ PipelineSchedule::PipelineSchedule(std::vector<PipelineStage*> stages, LossFn lo
   TORCH_CHECK(!holds_last || loss_fn_, kApi, ": the last stage (", stages_.back()->name(),
               ") needs a loss function, got an empty one");
   order_ = schedule_order(options_.kind(), group_->rank(), p, n_stages_, options_.n_microbatches());
+  for (bool shapes_known : {false, true}) {
+    programs_[shapes_known ? 1 : 0] =
+        rank_program(options_.kind(), group_->rank(), p, n_stages_, options_.n_microbatches(), shapes_known);
+  }
   boundary_shapes_.assign(std::max(n_stages_ - 1, 0), std::nullopt);
   boundary_dtypes_.assign(std::max(n_stages_ - 1, 0), 0);
 }
@@ -277,7 +281,9 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
   // transfer proceeds while this rank computes; recvs of one tag are still issued in the order of
   // the peer's sends, since each action's own receive is issued before the next one's. A receive
   // whose size is not known yet (the first microbatch of a step that agrees shapes, a gradient
-  // whose output is not computed yet) is issued when its action runs.
+  // whose output is not computed yet) is issued when its action runs. Which receive is posted
+  // when, and every send, is the rank's program (rank_program, [Note: rank programs] in
+  // schedule_order.h), which the loop at the end executes step by step.
   std::map<std::tuple<int, int, int>, std::pair<comm::PendingCollective, at::Tensor>> posted;
   auto activation_label = [](int from, int to, int mb) {
     return "activation of microbatch " + std::to_string(mb) + " from stage " + std::to_string(from) + " to stage " +
@@ -287,36 +293,34 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
     return "gradient of microbatch " + std::to_string(mb) + " from stage " + std::to_string(from) + " to stage " +
            std::to_string(to);
   };
-  // `wait_for_shape`: may block for the sender's shape header (only when the action runs next).
-  auto post_receive = [&](const Action& a, bool wait_for_shape) {
-    const int s = a.stage, mb = a.microbatch;
-    const bool fwd = a.type == Action::Type::kForward;
-    const int peer_stage = fwd ? s - 1 : s + 1;
-    if (peer_stage < 0 || peer_stage >= n_stages_ || stage_at(s).rank_of(peer_stage) == group_->rank()) return;
-    const auto key = std::make_tuple(fwd ? 0 : 1, s, mb);
-    if (posted.count(key)) return;
-    const int src = stage_at(s).rank_of(peer_stage);
+  // kRecvShape: the shape and dtype of the activation across boundary b (blocking).
+  auto receive_shape = [&](const ProgramStep& ps) {
+    const int b = ps.boundary, s = ps.action.stage, mb = ps.action.microbatch;
+    at::Tensor header = at::empty({2 + kMaxDims}, at::TensorOptions().dtype(at::kLong).device(group_->device()));
+    recv(header, ps.peer, header_tag(b), "shape of the " + activation_label(b, s, mb));
+    header = header.cpu();
+    const int64_t* h = header.data_ptr<int64_t>();
+    boundary_shapes_[b] = std::vector<int64_t>(h + 2, h + 2 + h[1]);
+    boundary_dtypes_[b] = static_cast<int>(h[0]);
+  };
+  // kPostRecv: the receive of an action's activation, or of its output's gradient.
+  auto post_receive = [&](const ProgramStep& ps) {
+    const int s = ps.action.stage, mb = ps.action.microbatch, b = ps.boundary;
+    const bool fwd = ps.action.type == Action::Type::kForward;
     at::Tensor t;
     if (fwd) {
-      const int b = s - 1;
-      if (!boundary_shapes_[b]) {
-        if (!wait_for_shape) return;
-        at::Tensor header = at::empty({2 + kMaxDims}, at::TensorOptions().dtype(at::kLong).device(group_->device()));
-        recv(header, src, header_tag(b), "shape of the " + activation_label(b, s, mb));
-        header = header.cpu();
-        const int64_t* h = header.data_ptr<int64_t>();
-        boundary_shapes_[b] = std::vector<int64_t>(h + 2, h + 2 + h[1]);
-        boundary_dtypes_[b] = static_cast<int>(h[0]);
-      }
+      TORCH_CHECK(boundary_shapes_[b].has_value(), kApi, ": internal error: the shape across stage boundary ", b,
+                  " is not known when posting the receive of ", to_string(ps.action));
       t = at::empty(*boundary_shapes_[b], at::TensorOptions()
                                               .dtype(static_cast<at::ScalarType>(boundary_dtypes_[b]))
                                               .device(group_->device()));
-      posted[key] = {group_->recv(t, src, forward_tag(b), activation_label(b, s, mb)), t};
+      posted[std::make_tuple(0, s, mb)] = {group_->recv(t, ps.peer, forward_tag(b), activation_label(b, s, mb)), t};
     } else {
       auto out = stage_outputs.find({s, mb});
-      if (out == stage_outputs.end()) return;
+      TORCH_CHECK(out != stage_outputs.end(), kApi, ": internal error: no output of ", to_string(ps.action),
+                  " when posting the receive of its gradient");
       t = at::empty(out->second.sizes(), out->second.options().requires_grad(false));
-      posted[key] = {group_->recv(t, src, backward_tag(s), gradient_label(peer_stage, s, mb)), t};
+      posted[std::make_tuple(1, s, mb)] = {group_->recv(t, ps.peer, backward_tag(s), gradient_label(s + 1, s, mb)), t};
     }
   };
   auto take_receive = [&](int type, int s, int mb) -> at::Tensor {
@@ -346,35 +350,50 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
     return take_receive(0, s, mb);
   };
 
-  // Stage s sends its output of microbatch mb to stage s + 1.
-  auto send_activation = [&](int s, int mb, const at::Tensor& out) {
-    const int next = s + 1;
-    if (stage_at(s).rank_of(next) == group_->rank()) {
-      local_activations[{next, mb}] = out.detach();
-      return;
-    }
-    const int b = s;
+  // Stage s hands its output of microbatch mb to stage s + 1 when that stage is on this rank (a
+  // send to another rank is a step of the program).
+  auto hand_over_activation = [&](int s, int mb, const at::Tensor& out) {
+    if (stage_at(s).rank_of(s + 1) == group_->rank()) local_activations[{s + 1, mb}] = out.detach();
+  };
+  auto check_dims = [&](int s, const at::Tensor& out) {
     TORCH_CHECK(out.dim() <= kMaxDims, kApi, ": ", stage_at(s).name(), " returned an output with ", out.dim(),
                 " dimensions, more than the ", kMaxDims, " supported between stages");
-    const std::string label = activation_label(s, next, mb);
-    if (!boundary_shapes_[b]) {
-      at::Tensor header = at::zeros({2 + kMaxDims}, at::kLong);
-      header[0] = static_cast<int64_t>(out.scalar_type());
-      header[1] = out.dim();
-      for (int64_t d = 0; d < out.dim(); ++d) header[2 + d] = out.size(d);
-      boundary_shapes_[b] = out.sizes().vec();
-      boundary_dtypes_[b] = static_cast<int>(out.scalar_type());
-      send(header.to(group_->device()), stage_at(s).rank_of(next), header_tag(b), "shape of the " + label);
-    } else {
-      TORCH_CHECK(out.sizes().vec() == *boundary_shapes_[b] &&
-                      static_cast<int>(out.scalar_type()) == boundary_dtypes_[b],
-                  kApi, ": ", stage_at(s).name(), " returned an output of shape ", shape_string(out.sizes()),
-                  " and dtype ", out.scalar_type(), " for microbatch ", mb, ", but the shape agreed with stage ",
-                  next, " for this step's input is ", shape_string(*boundary_shapes_[b]), " with dtype ",
-                  static_cast<at::ScalarType>(boundary_dtypes_[b]),
-                  " (every microbatch of a step must give the same shape)");
+  };
+  // kSendShape: the shape and dtype of a forward's output, ahead of it.
+  auto send_shape = [&](const ProgramStep& ps) {
+    const int s = ps.action.stage, mb = ps.action.microbatch, b = ps.boundary;
+    const at::Tensor& out = stage_outputs.at({s, mb});
+    check_dims(s, out);
+    at::Tensor header = at::zeros({2 + kMaxDims}, at::kLong);
+    header[0] = static_cast<int64_t>(out.scalar_type());
+    header[1] = out.dim();
+    for (int64_t d = 0; d < out.dim(); ++d) header[2 + d] = out.size(d);
+    boundary_shapes_[b] = out.sizes().vec();
+    boundary_dtypes_[b] = static_cast<int>(out.scalar_type());
+    send(header.to(group_->device()), ps.peer, header_tag(b), "shape of the " + activation_label(s, s + 1, mb));
+  };
+  // kSend: a forward's output to the next stage, or a backward's input gradient to the previous.
+  std::map<Key, at::Tensor> gradients_to_send;
+  auto send_output = [&](const ProgramStep& ps) {
+    const int s = ps.action.stage, mb = ps.action.microbatch, b = ps.boundary;
+    if (ps.action.type == Action::Type::kBackward) {
+      auto it = gradients_to_send.find({s, mb});
+      TORCH_CHECK(it != gradients_to_send.end(), kApi, ": internal error: no input gradient of ", to_string(ps.action));
+      send(it->second, ps.peer, backward_tag(b), gradient_label(s, b, mb));
+      gradients_to_send.erase(it);
+      return;
     }
-    send(out.detach(), stage_at(s).rank_of(next), forward_tag(b), label);
+    const at::Tensor& out = stage_outputs.at({s, mb});
+    check_dims(s, out);
+    TORCH_CHECK(boundary_shapes_[b].has_value() && out.sizes().vec() == *boundary_shapes_[b] &&
+                    static_cast<int>(out.scalar_type()) == boundary_dtypes_[b],
+                kApi, ": ", stage_at(s).name(), " returned an output of shape ", shape_string(out.sizes()),
+                " and dtype ", out.scalar_type(), " for microbatch ", mb, ", but the shape agreed with stage ", s + 1,
+                " for this step's input is ",
+                boundary_shapes_[b] ? shape_string(*boundary_shapes_[b]) : std::string("not known"), " with dtype ",
+                static_cast<at::ScalarType>(boundary_dtypes_[b]),
+                " (every microbatch of a step must give the same shape)");
+    send(out.detach(), ps.peer, forward_tag(b), activation_label(s, s + 1, mb));
   };
 
   auto run_forward = [&](int s, int mb) {
@@ -402,7 +421,7 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
     stage_inputs[{s, mb}] = x;
     stage_outputs[{s, mb}] = out;
     stats_.peak_live_microbatches = std::max(stats_.peak_live_microbatches, ++live[s]);
-    if (!stage.is_last()) send_activation(s, mb, out);
+    if (!stage.is_last()) hand_over_activation(s, mb, out);
   };
 
   auto run_backward = [&](int s, int mb) {
@@ -412,7 +431,6 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
       // [Note: backward passes within an iteration]: the step is one iteration of each stage.
       unit.set_is_last_backward(mb == m - 1);
     }
-    post_receive({Action::Type::kBackward, s, mb}, true);  // needs the output's shape: before it is moved
     at::Tensor out = std::move(stage_outputs.at({s, mb}));
     stage_outputs.erase({s, mb});
     at::Tensor x = std::move(stage_inputs.at({s, mb}));
@@ -449,19 +467,24 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
       if (stage.rank_of(prev) == group_->rank()) {
         local_gradients[{prev, mb}] = g;
       } else {
-        send(g, stage.rank_of(prev), backward_tag(prev), gradient_label(s, prev, mb));
+        gradients_to_send[{s, mb}] = g;  // sent by the program's next step
       }
     }
   };
 
-  for (size_t i = 0; i < order_.size(); ++i) {
-    const Action& a = order_[i];
-    post_receive(a, /*wait_for_shape=*/true);
-    if (i + 1 < order_.size()) post_receive(order_[i + 1], /*wait_for_shape=*/false);  // [Note: posted receives]
-    if (a.type == Action::Type::kForward) {
-      run_forward(a.stage, a.microbatch);
-    } else {
-      run_backward(a.stage, a.microbatch);
+  for (const ProgramStep& ps : programs_[header_step ? 0 : 1]) {  // [Note: rank programs]
+    switch (ps.kind) {
+      case ProgramStep::Kind::kRecvShape: receive_shape(ps); break;
+      case ProgramStep::Kind::kPostRecv: post_receive(ps); break;
+      case ProgramStep::Kind::kRun:
+        if (ps.action.type == Action::Type::kForward) {
+          run_forward(ps.action.stage, ps.action.microbatch);
+        } else {
+          run_backward(ps.action.stage, ps.action.microbatch);
+        }
+        break;
+      case ProgramStep::Kind::kSendShape: send_shape(ps); break;
+      case ProgramStep::Kind::kSend: send_output(ps); break;
     }
   }
   for (auto& [work, tensor] : sends) {

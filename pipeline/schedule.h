@@ -118,6 +118,9 @@ class PipelineSchedule {
   std::shared_ptr<comm::Communicator> group_;
   int n_stages_ = 0;
   std::vector<Action> order_;
+  // This rank's program at a step that agrees shapes [0] and at any other step [1] ([Note: rank
+  // programs] in schedule_order.h).
+  std::vector<ProgramStep> programs_[2];
   std::vector<int64_t> agreed_input_shape_;  // the input shape the boundary shapes were agreed for
   std::vector<std::optional<std::vector<int64_t>>> boundary_shapes_;  // per stage boundary b (stage b -> b+1)
   std::vector<int> boundary_dtypes_;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <sstream>
 #include <tuple>
 #include <utility>
@@ -168,6 +169,76 @@ SimulatedStep simulate_schedule(ScheduleKind kind, int pp_size, int n_stages, in
   step.slots = *std::max_element(free_at.begin(), free_at.end());
   step.bubble_fraction = 1.0 - static_cast<double>(busy) / (static_cast<double>(pp_size) * step.slots);
   return step;
+}
+
+std::string to_string(const ProgramStep& step) {
+  std::ostringstream out;
+  switch (step.kind) {
+    case ProgramStep::Kind::kRecvShape: out << "recv shape for "; break;
+    case ProgramStep::Kind::kPostRecv: out << "post recv "; break;
+    case ProgramStep::Kind::kRun: out << "run "; break;
+    case ProgramStep::Kind::kSendShape: out << "send shape of "; break;
+    case ProgramStep::Kind::kSend: out << "send "; break;
+  }
+  out << to_string(step.action);
+  if (step.kind == ProgramStep::Kind::kRecvShape || step.kind == ProgramStep::Kind::kPostRecv) {
+    out << " from " << step.peer << " [boundary " << step.boundary << "]";
+  } else if (step.kind != ProgramStep::Kind::kRun) {
+    out << " to " << step.peer << " [boundary " << step.boundary << "]";
+  }
+  return out.str();
+}
+
+std::vector<ProgramStep> rank_program(ScheduleKind kind, int pp_rank, int pp_size, int n_stages, int n_microbatches,
+                                      bool shapes_known) {
+  const std::vector<Action> order = schedule_order(kind, pp_rank, pp_size, n_stages, n_microbatches);
+  auto rank_of = [&](int stage) { return stage % pp_size; };
+  // Boundaries whose activation shape this rank knows (sends and receives alike: a rank holds
+  // either side of a boundary to another rank, never both).
+  std::vector<bool> known(static_cast<size_t>(std::max(n_stages - 1, 0)), shapes_known);
+  std::set<std::tuple<int, int, int>> posted;  // (0 forward / 1 backward, stage, microbatch)
+  std::set<std::pair<int, int>> forwarded;     // (stage, microbatch) whose forward ran
+  std::vector<ProgramStep> program;
+  auto post = [&](const Action& a, bool may_wait_for_shape) {
+    const bool fwd = a.type == Action::Type::kForward;
+    const int peer_stage = fwd ? a.stage - 1 : a.stage + 1;
+    if (peer_stage < 0 || peer_stage >= n_stages || rank_of(peer_stage) == pp_rank) return;
+    const auto key = std::make_tuple(fwd ? 0 : 1, a.stage, a.microbatch);
+    if (posted.count(key)) return;
+    const int src = rank_of(peer_stage);
+    const int b = fwd ? a.stage - 1 : a.stage;
+    if (fwd && !known[b]) {
+      if (!may_wait_for_shape) return;
+      program.push_back({ProgramStep::Kind::kRecvShape, a, src, b});
+      known[b] = true;
+    }
+    if (!fwd && !forwarded.count({a.stage, a.microbatch})) return;  // its output's shape is not known yet
+    program.push_back({ProgramStep::Kind::kPostRecv, a, src, b});
+    posted.insert(key);
+  };
+  for (size_t i = 0; i < order.size(); ++i) {
+    const Action& a = order[i];
+    post(a, /*may_wait_for_shape=*/true);
+    if (i + 1 < order.size()) post(order[i + 1], /*may_wait_for_shape=*/false);
+    program.push_back({ProgramStep::Kind::kRun, a, -1, -1});
+    if (a.type == Action::Type::kForward) {
+      forwarded.insert({a.stage, a.microbatch});
+      const int next = a.stage + 1;
+      if (next < n_stages && rank_of(next) != pp_rank) {
+        if (!known[a.stage]) {
+          program.push_back({ProgramStep::Kind::kSendShape, a, rank_of(next), a.stage});
+          known[a.stage] = true;
+        }
+        program.push_back({ProgramStep::Kind::kSend, a, rank_of(next), a.stage});
+      }
+    } else {
+      const int prev = a.stage - 1;
+      if (prev >= 0 && rank_of(prev) != pp_rank) {
+        program.push_back({ProgramStep::Kind::kSend, a, rank_of(prev), prev});
+      }
+    }
+  }
+  return program;
 }
 
 }  // namespace fsdp::pipeline

@@ -62,6 +62,45 @@ void check_schedule(ScheduleKind kind, int pp_size, int n_stages, int n_microbat
 std::vector<Action> schedule_order(ScheduleKind kind, int pp_rank, int pp_size, int n_stages,
                                    int n_microbatches);
 
+/// [Note: rank programs] What one rank of a step does, in order: the action orders above plus
+/// the point-to-point operations around them, as pipeline/schedule.cc issues them
+/// (PipelineSchedule::step executes exactly this list, and schedule_order_test replays every
+/// rank's list against its peers'). A receive an action needs from another rank is posted before
+/// the action before it runs ([Note: posted receives] in schedule.cc): before running action i the
+/// rank posts the receive of action i (if not posted yet), then prefetches the receive of action
+/// i + 1 when it can already allocate it (an activation whose boundary shape is known, a gradient
+/// whose stage output exists, i.e. whose forward ran). At a step that agrees shapes
+/// (`shapes_known` false: the first step, or a new input shape), the first activation across each
+/// stage boundary is preceded by its shape: the sender sends it before the activation, the
+/// receiver receives it (blocking) just before posting the activation's receive. A forward sends
+/// its output right after it ran, a backward its input's gradient; transfers between two stages of
+/// one rank are not in the list. c10d's NCCL backend ignores tags, so the sends of rank A to rank
+/// B and the receives B posts from A must come in the same order: schedule_order_test checks it for
+/// every layout up to 8 ranks, 4 chunks and 16 microbatches.
+struct ProgramStep {
+  enum class Kind {
+    kRecvShape,  // receive (blocking) the shape and dtype of the activation `boundary` carries
+    kPostRecv,   // post the receive `action` needs (its activation or its output's gradient)
+    kRun,        // run `action`
+    kSendShape,  // send the shape and dtype of the activation `action` produced
+    kSend,       // send what `action` produced (a forward's output, a backward's input gradient)
+  };
+  Kind kind = Kind::kRun;
+  Action action;
+  int peer = -1;      // the pipeline rank received from or sent to (-1 for kRun)
+  int boundary = -1;  // the stage boundary b (stage b -> b + 1) the transfer crosses (-1 for kRun)
+  bool operator==(const ProgramStep& other) const {
+    return kind == other.kind && action == other.action && peer == other.peer && boundary == other.boundary;
+  }
+};
+
+/// "post recv F(1,0) from 0 [boundary 0]", "run F(1,0)", "send B(1,0) to 0 [boundary 0]", ...
+std::string to_string(const ProgramStep& step);
+
+/// Rank `pp_rank`'s program for one step ([Note: rank programs]; check_schedule first).
+std::vector<ProgramStep> rank_program(ScheduleKind kind, int pp_rank, int pp_size, int n_stages,
+                                      int n_microbatches, bool shapes_known);
+
 /// The step's length in time slots when each forward and each backward takes one slot and
 /// transfers are free (every rank's order run as early as its dependencies allow), and the
 /// resulting bubble fraction 1 - busy / (p * slots). GPipe and 1F1B: (p - 1) / (m + p - 1) when

@@ -119,3 +119,165 @@ TEST_CASE("schedules refuse layouts they cannot run, naming the schedule and the
   CHECK_THAT(e, Catch::Contains("gpipe, 1f1b, interleaved_1f1b") && Catch::Contains("'zb'"));
   CHECK(fsdp::pipeline::parse_schedule("interleaved_1f1b") == ScheduleKind::kInterleaved1F1B);
 }
+
+namespace {
+
+using fsdp::pipeline::ProgramStep;
+
+// What a transfer carries: ('S' shape | 'A' activation | 'G' gradient, stage boundary, microbatch).
+using Label = std::tuple<char, int, int>;
+
+Label label_of(const ProgramStep& ps) {
+  const bool fwd = ps.action.type == Action::Type::kForward;
+  const bool shape = ps.kind == ProgramStep::Kind::kRecvShape || ps.kind == ProgramStep::Kind::kSendShape;
+  return {shape ? 'S' : (fwd ? 'A' : 'G'), ps.boundary, ps.action.microbatch};
+}
+
+std::string describe(const Label& l) {
+  return std::string(1, std::get<0>(l)) + "(b" + std::to_string(std::get<1>(l)) + ",mb" + std::to_string(std::get<2>(l)) + ")";
+}
+
+// Replays every rank's program ([Note: rank programs]) of one layout; returns what is wrong (empty
+// when nothing): per ordered rank pair, the receives posted must be the sends issued, in the same
+// order (c10d's NCCL backend ignores tags); each action runs once, in schedule_order's order, after
+// the receive it needs was posted; and executed with blocking receives (a shape receive, and an
+// action whose input comes from another rank, wait for the matching send; sends never block) the
+// programs finish.
+std::string replay(ScheduleKind kind, int p, int n_stages, int m, bool shapes_known) {
+  std::vector<std::vector<ProgramStep>> programs;
+  for (int r = 0; r < p; ++r) programs.push_back(fsdp::pipeline::rank_program(kind, r, p, n_stages, m, shapes_known));
+  std::map<std::pair<int, int>, std::vector<Label>> sends, recvs;  // (src, dst)
+  // For each rank's blocking steps: which pair and which position in that pair's order they wait for.
+  std::vector<std::vector<std::pair<std::pair<int, int>, size_t>>> waits(p);
+  for (int r = 0; r < p; ++r) {
+    std::vector<Action> runs;
+    std::set<std::tuple<int, int, int>> posted;
+    std::map<std::tuple<int, int, int>, std::pair<std::pair<int, int>, size_t>> recv_of;
+    waits[r].assign(programs[r].size(), {{-1, -1}, 0});
+    for (size_t i = 0; i < programs[r].size(); ++i) {
+      const ProgramStep& ps = programs[r][i];
+      const bool fwd = ps.action.type == Action::Type::kForward;
+      const auto key = std::make_tuple(fwd ? 0 : 1, ps.action.stage, ps.action.microbatch);
+      switch (ps.kind) {
+        case ProgramStep::Kind::kSend:
+        case ProgramStep::Kind::kSendShape:
+          if (ps.peer == r) return "rank " + std::to_string(r) + " sends to itself: " + fsdp::pipeline::to_string(ps);
+          sends[{r, ps.peer}].push_back(label_of(ps));
+          break;
+        case ProgramStep::Kind::kRecvShape:
+        case ProgramStep::Kind::kPostRecv: {
+          if (ps.peer == r) return "rank " + std::to_string(r) + " receives from itself: " + fsdp::pipeline::to_string(ps);
+          auto& list = recvs[{ps.peer, r}];
+          list.push_back(label_of(ps));
+          if (ps.kind == ProgramStep::Kind::kRecvShape) {
+            waits[r][i] = {{ps.peer, r}, list.size()};
+          } else {
+            if (!posted.insert(key).second) return "rank " + std::to_string(r) + " posts twice: " + fsdp::pipeline::to_string(ps);
+            recv_of[key] = {{ps.peer, r}, list.size()};
+          }
+          break;
+        }
+        case ProgramStep::Kind::kRun: {
+          runs.push_back(ps.action);
+          const int peer_stage = fwd ? ps.action.stage - 1 : ps.action.stage + 1;
+          const bool remote = peer_stage >= 0 && peer_stage < n_stages && peer_stage % p != r;
+          if (remote) {
+            auto it = recv_of.find(key);
+            if (it == recv_of.end()) {
+              return "rank " + std::to_string(r) + " runs " + fsdp::pipeline::to_string(ps.action) +
+                     " before posting its receive";
+            }
+            waits[r][i] = it->second;
+          }
+          break;
+        }
+      }
+    }
+    if (runs != fsdp::pipeline::schedule_order(kind, r, p, n_stages, m)) {
+      return "rank " + std::to_string(r) + " runs its actions in another order than schedule_order";
+    }
+  }
+  for (const auto& [pair, sent] : sends) {
+    const auto& received = recvs[pair];
+    if (sent != received) {
+      size_t k = 0;
+      while (k < sent.size() && k < received.size() && sent[k] == received[k]) ++k;
+      return "rank " + std::to_string(pair.first) + " -> rank " + std::to_string(pair.second) + ": transfer " +
+             std::to_string(k) + " is sent as " + (k < sent.size() ? describe(sent[k]) : "nothing") +
+             " but received as " + (k < received.size() ? describe(received[k]) : "nothing");
+    }
+  }
+  for (const auto& [pair, received] : recvs) {
+    if (!received.empty() && sends[pair].empty()) {
+      return "rank " + std::to_string(pair.second) + " receives from rank " + std::to_string(pair.first) + " which sends nothing";
+    }
+  }
+  // Execution: a blocking step waits until its pair's sender issued that many sends.
+  std::vector<size_t> pc(p, 0);
+  std::map<std::pair<int, int>, size_t> issued;
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int r = 0; r < p; ++r) {
+      while (pc[r] < programs[r].size()) {
+        const auto& [pair, needed] = waits[r][pc[r]];
+        if (pair.first >= 0 && issued[pair] < needed) break;
+        const ProgramStep& ps = programs[r][pc[r]];
+        if (ps.kind == ProgramStep::Kind::kSend || ps.kind == ProgramStep::Kind::kSendShape) ++issued[{r, ps.peer}];
+        ++pc[r];
+        progress = true;
+      }
+    }
+  }
+  for (int r = 0; r < p; ++r) {
+    if (pc[r] < programs[r].size()) {
+      return "the programs wait in a cycle: rank " + std::to_string(r) + " is stuck at " +
+             fsdp::pipeline::to_string(programs[r][pc[r]]);
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("rank programs: every pair's receive order equals the peer's send order, p <= 8, v <= 4, m <= 16", "[pipeline][programs]") {
+  int layouts = 0;
+  std::vector<std::string> failures;
+  for (ScheduleKind kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved1F1B}) {
+    for (int p = 1; p <= 8; ++p) {
+      for (int v = 1; v <= (kind == ScheduleKind::kInterleaved1F1B ? 4 : 1); ++v) {
+        for (int m = 1; m <= 16; ++m) {
+          if (kind == ScheduleKind::kInterleaved1F1B && m % p != 0) continue;
+          for (bool shapes_known : {false, true}) {
+            ++layouts;
+            const std::string wrong = replay(kind, p, p * v, m, shapes_known);
+            if (!wrong.empty()) {
+              failures.push_back(fsdp::pipeline::schedule_name(kind) + " p=" + std::to_string(p) + " v=" +
+                                 std::to_string(v) + " m=" + std::to_string(m) +
+                                 (shapes_known ? "" : " (shapes agreed)") + ": " + wrong);
+            }
+          }
+        }
+      }
+    }
+  }
+  INFO(layouts << " layouts; first failures:\n"
+               << (failures.size() > 0 ? failures[0] : "") << "\n" << (failures.size() > 1 ? failures[1] : ""));
+  CHECK(layouts == 2 * (2 * 8 * 16 + 4 * (16 + 8 + 5 + 4 + 3 + 2 + 2 + 2)));
+  CHECK(failures.empty());
+}
+
+// The programs of a 2-rank 1F1B step with 2 microbatches that agrees shapes: the receiver waits
+// for the shape, then posts each activation's receive one action ahead.
+TEST_CASE("rank programs: a 2-rank 1F1B step, shapes first", "[pipeline][programs]") {
+  std::vector<std::string> rank0, rank1;
+  for (const auto& ps : fsdp::pipeline::rank_program(ScheduleKind::k1F1B, 0, 2, 2, 2, false)) rank0.push_back(fsdp::pipeline::to_string(ps));
+  for (const auto& ps : fsdp::pipeline::rank_program(ScheduleKind::k1F1B, 1, 2, 2, 2, false)) rank1.push_back(fsdp::pipeline::to_string(ps));
+  CHECK(rank0 == std::vector<std::string>{
+                     "run F(0,0)", "send shape of F(0,0) to 1 [boundary 0]", "send F(0,0) to 1 [boundary 0]",
+                     "post recv B(0,0) from 1 [boundary 0]", "run F(0,1)", "send F(0,1) to 1 [boundary 0]",
+                     "post recv B(0,1) from 1 [boundary 0]", "run B(0,0)", "run B(0,1)"});
+  CHECK(rank1 == std::vector<std::string>{
+                     "recv shape for F(1,0) from 0 [boundary 0]", "post recv F(1,0) from 0 [boundary 0]",
+                     "run F(1,0)", "post recv F(1,1) from 0 [boundary 0]", "run B(1,0)",
+                     "send B(1,0) to 0 [boundary 0]", "run F(1,1)", "run B(1,1)", "send B(1,1) to 0 [boundary 0]"});
+}
