@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include <ATen/ops/cat.h>
 #include <ATen/ops/equal.h>
 #include <c10/core/GradMode.h>
 
@@ -18,21 +19,37 @@ int64_t summed_version(const std::vector<FSDPState*>& units) {
   return version;
 }
 
-// Evenly spaced elements of the 1-D shard (a view; at most about kSampledElements).
-at::Tensor sample(const at::Tensor& shard) {
-  const int64_t n = shard.numel();
-  const int64_t stride = std::max<int64_t>(1, n / ShardSnapshot::kSampledElements);
-  return shard.view({-1}).slice(0, 0, n, stride);
+// Evenly spaced elements of every shard (about kSampledElements each), as bytes, concatenated
+// into one tensor per device (in order of first appearance), so that comparing two snapshots
+// synchronizes once per device, not once per FlatParameter.
+std::vector<at::Tensor> sampled_bytes(const std::vector<FSDPState*>& units) {
+  c10::NoGradGuard no_grad;
+  std::vector<at::Device> devices;
+  std::vector<std::vector<at::Tensor>> parts;
+  for (const FSDPState* unit : units) {
+    for (const auto& h : unit->handles()) {
+      const at::Tensor& shard = h->local_shard();
+      const int64_t n = shard.numel();
+      const int64_t stride = std::max<int64_t>(1, n / ShardSnapshot::kSampledElements);
+      const at::Tensor sample = shard.view({-1}).slice(0, 0, n, stride).contiguous().view(at::kByte);
+      const auto it = std::find(devices.begin(), devices.end(), shard.device());
+      if (it == devices.end()) {
+        devices.push_back(shard.device());
+        parts.push_back({sample});
+      } else {
+        parts[static_cast<size_t>(it - devices.begin())].push_back(sample);
+      }
+    }
+  }
+  std::vector<at::Tensor> bytes;
+  for (const auto& p : parts) bytes.push_back(at::cat(p));
+  return bytes;
 }
 
 }  // namespace
 
 void ShardSnapshot::take(const std::vector<FSDPState*>& units) {
-  c10::NoGradGuard no_grad;
-  samples_.clear();
-  for (const FSDPState* unit : units) {
-    for (const auto& h : unit->handles()) samples_.push_back(sample(h->local_shard()).clone());
-  }
+  samples_ = sampled_bytes(units);
   version_ = summed_version(units);
   taken_ = true;
 }
@@ -40,17 +57,15 @@ void ShardSnapshot::take(const std::vector<FSDPState*>& units) {
 bool ShardSnapshot::changed(const std::vector<FSDPState*>& units) const {
   if (!taken_) return false;
   if (summed_version(units) != version_) return true;
-  c10::NoGradGuard no_grad;
-  size_t i = 0;
-  for (const FSDPState* unit : units) {
-    for (const auto& h : unit->handles()) {
-      if (i >= samples_.size()) return true;
-      const at::Tensor now = sample(h->local_shard());
-      if (now.sizes() != samples_[i].sizes() || !at::equal(now, samples_[i])) return true;
-      ++i;
+  const std::vector<at::Tensor> now = sampled_bytes(units);
+  if (now.size() != samples_.size()) return true;
+  for (size_t i = 0; i < now.size(); ++i) {
+    if (now[i].device() != samples_[i].device() || now[i].sizes() != samples_[i].sizes() ||
+        !at::equal(now[i], samples_[i])) {
+      return true;
     }
   }
-  return i != samples_.size();
+  return false;
 }
 
 void ShardSnapshot::clear() {

@@ -8,8 +8,8 @@
 //     that no version counter sees (LibTorch's SGD updates `p.data()`, a tensor with a counter of
 //     its own). An update that leaves every sampled element unchanged is not seen (e.g. one that
 //     only touches a parameter smaller than the sampling stride).
-// Taking and comparing a snapshot reads kSampledElements elements per FlatParameter (a device
-// synchronization on accelerators); nothing else.
+// Taking a snapshot copies about kSampledElements elements per FlatParameter (asynchronously);
+// comparing copies them again and compares once per device (one synchronization on accelerators).
 
 #include <cstdint>
 #include <vector>
@@ -34,7 +34,7 @@ class ShardSnapshot {
  private:
   bool taken_ = false;
   int64_t version_ = 0;
-  std::vector<at::Tensor> samples_;  // per handle, in unit and handle order
+  std::vector<at::Tensor> samples_;  // the sampled bytes, one tensor per device
 };
 
 }  // namespace fsdp
