@@ -97,6 +97,12 @@ int ParallelModel::n_stages() const { return impl_->n_stages; }
 const std::vector<FSDPModule>& ParallelModel::roots() const { return impl_->roots; }
 const LossFn& ParallelModel::loss() const { return impl_->loss; }
 int64_t ParallelModel::steps() const { return impl_->step; }
+const std::shared_ptr<comm::Communicator>& ParallelModel::world() const { return impl_->world; }
+
+void ParallelModel::set_steps(int64_t steps) {
+  TORCH_CHECK(steps >= 0, "fsdp::parallel::ParallelModel::set_steps: expected a step count >= 0, found ", steps);
+  impl_->step = steps;
+}
 
 std::vector<at::Tensor> ParallelModel::parameters() const {
   std::vector<at::Tensor> out;

@@ -131,6 +131,11 @@ class ParallelModel {
   void zero_grad();
   /// The steps begun (forward_backward calls, abandoned ones included: their seeds are used up).
   int64_t steps() const;
+  /// Continues the step count from `steps` (a job resumed from a checkpoint: its next forward is
+  /// seeded as step steps + 1 would have been). parallel/checkpoint.h restores it.
+  void set_steps(int64_t steps);
+  /// The communicator over the whole job.
+  const std::shared_ptr<comm::Communicator>& world() const;
   /// The mean over data ranks of a loss returned by forward_backward, on every rank (a collective
   /// over the job on a communicator of its own, so training's counters are untouched).
   double global_loss(const at::Tensor& loss) const;
