@@ -1,6 +1,6 @@
 // The pipeline step agreement ([Note: pipeline step agreement] in pipeline/schedule.h) over the
 // pipeline group and the stages' data-parallel groups, on 2 ranks (pp=2) and 4 ranks (pp=2 x dp=2
-// with fully_shard inside the stages): a bad batch on one replica is refused by every rank of the
+// with fully_shard or HSDP inside the stages): a bad batch on one replica is refused by every rank of the
 // job with the same error within seconds, and the next step runs normally everywhere (the
 // parameters then equal the unsharded model trained on the good steps alone); ranks whose
 // schedule kind, number of microbatches, scale_grads, reduce_every_microbatch or stage chunks
@@ -79,8 +79,11 @@ struct Job {
   std::vector<torch::Tensor> params;
   int n_blocks = 0;
 
-  Job(int pp, int dp, int chunks, const fsdp::pipeline::ScheduleOptions& options) {
-    mesh = fsdp::comm::DeviceMesh::create(world(), {pp, dp}, {"pp", "dp"});
+  // `hsdp`: the dp dimension replicates (HSDP over a (replicate = dp, shard = 1) submesh: the units
+  // communicate over the replicate group in backward) instead of sharding.
+  Job(int pp, int dp, int chunks, const fsdp::pipeline::ScheduleOptions& options, bool hsdp = false) {
+    mesh = hsdp ? fsdp::comm::DeviceMesh::create(world(), {pp, dp, 1}, {"pp", "dp", "shard"})
+                : fsdp::comm::DeviceMesh::create(world(), {pp, dp}, {"pp", "dp"});
     auto pp_group = mesh->group("pp");
     const int n_stages = pp * chunks;
     n_blocks = n_stages;
@@ -91,10 +94,11 @@ struct Job {
       Chain part(blocks, s, s + 1);
       auto stage = std::make_unique<fsdp::pipeline::PipelineStage>(
           [part](const at::Tensor& x) mutable { return part(x); }, s, n_stages, pp_group);
-      if (dp > 1) {
-        roots.push_back(fsdp::fully_shard(part, fsdp::FullyShardOptions().communicator(mesh->group("dp"))));
-        stage->set_fsdp_units({roots.back()});
-      }
+      // fully_shard inside every stage (over a one-rank group on 2 ranks).
+      auto opts = hsdp ? fsdp::FullyShardOptions().mesh(mesh->submesh({"dp", "shard"}))
+                       : fsdp::FullyShardOptions().communicator(mesh->group("dp"));
+      roots.push_back(fsdp::fully_shard(part, opts));
+      stage->set_fsdp_units({roots.back()});
       for (const auto& p : part->parameters()) params.push_back(p);
       parts.push_back(part);
       ptrs.push_back(stage.get());
@@ -117,11 +121,12 @@ std::pair<torch::Tensor, torch::Tensor> global_batch(int step, int dp, int64_t r
 // pp=2 on 2 ranks, pp=2 x dp=2 on 4: a bad batch on the last replica, at a step between two good
 // ones, refused on every rank with the same error; the parameters after the good steps equal the
 // unsharded model's trained on the good steps alone.
-void check_bad_batch(int dp, ScheduleKind kind, const std::string& bad) {
-  INFO("pp=2 dp=" << dp << " " << fsdp::pipeline::schedule_name(kind) << ", bad batch: " << bad);
+void check_bad_batch(int dp, ScheduleKind kind, const std::string& bad, bool hsdp = false) {
+  INFO("pp=2 dp=" << dp << (hsdp ? " (HSDP: replicated)" : "") << " " << fsdp::pipeline::schedule_name(kind)
+                  << ", bad batch: " << bad);
   const int m = 2;
   const int64_t rows = 4;
-  Job job(2, dp, 1, fsdp::pipeline::ScheduleOptions().kind(kind).n_microbatches(m));
+  Job job(2, dp, 1, fsdp::pipeline::ScheduleOptions().kind(kind).n_microbatches(m), hsdp);
   auto dp_group = job.mesh->group("dp");
   const int q = dp_group->rank();
   auto ref_blocks = make_blocks(job.n_blocks);
@@ -162,8 +167,7 @@ void check_bad_batch(int dp, ScheduleKind kind, const std::string& bad) {
     CHECK(same_on_every_rank(error));
   }
   for (size_t k = 0; k < job.parts.size(); ++k) {
-    std::optional<fsdp::SummonFullParams> full;
-    if (!job.roots.empty()) full.emplace(job.roots[k]);
+    fsdp::SummonFullParams full(job.roots[k]);
     for (const auto& item : job.parts[k]->named_parameters()) {
       INFO(item.key());
       CHECK(torch::allclose(item.value(), *reference->named_parameters().find(item.key()), 1e-4, 1e-6));
@@ -178,6 +182,8 @@ FSDP_RANKS_TEST_CASE("a bad batch on one data-parallel replica is refused by eve
   for (ScheduleKind kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B}) {
     for (const std::string bad : {"inputs", "targets", "rows"}) check_bad_batch(dp, kind, bad);
   }
+  // HSDP inside the stages: the replicate group is agreed over too.
+  if (dp > 1) check_bad_batch(dp, ScheduleKind::k1F1B, "inputs", /*hsdp=*/true);
 }
 
 FSDP_RANKS_TEST_CASE("pipeline ranks that disagree on the schedule or the stage layout get one error naming the cause", "[pipeline][agreement]") {
