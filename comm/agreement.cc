@@ -98,10 +98,14 @@ std::optional<std::string> agree_on_error(const std::vector<std::shared_ptr<Comm
   const auto& [rank, label, message] = *known.begin();
   std::string out = api + ": " + label + ": " + message;
   if (known.size() > 1) {
+    // The other ranks that found errors, at most kListed of them by name.
+    constexpr size_t kListed = 8;
     std::string others;
-    for (auto it = std::next(known.begin()); it != known.end(); ++it) {
+    size_t listed = 0;
+    for (auto it = std::next(known.begin()); it != known.end() && listed < kListed; ++it, ++listed) {
       others += (others.empty() ? "" : ", ") + std::get<1>(*it);
     }
+    if (known.size() - 1 > listed) others += " and " + std::to_string(known.size() - 1 - listed) + " more";
     out += " (errors were also found on " + others + "; the lowest rank's is shown)";
   }
   return out;
