@@ -176,6 +176,12 @@ std::vector<Layout> layouts(int w) {
   };
   add(1, w, 1, 1);  // pure fully_shard
   if (w == 1) return out;
+  if (w == 8) {  // //tests/parallel:composition_8_test: the 3-D layouts
+    add(2, 2, 2, 1);  // HSDP x tensor parallel
+    add(1, 2, 2, 2);  // pipeline x fully_shard x tensor parallel
+    add(2, 1, 2, 2);  // pipeline x HSDP replicas x tensor parallel
+    return out;
+  }
   add(1, 1, w, 1);  // pure tensor parallel
   add(1, 1, 1, w);  // pure pipeline
   add(w, 1, 1, 1);  // HSDP, replicas only
@@ -186,6 +192,7 @@ std::vector<Layout> layouts(int w) {
     add(1, 1, 2, 2);  // pipeline x tensor parallel
     add(2, 1, 2, 1);  // HSDP replicas x tensor parallel
   }
+
   return out;
 }
 
