@@ -225,12 +225,29 @@ std::vector<int64_t> PipelineSchedule::agree_step(const at::Tensor& inputs, cons
     errors.push_back(here + ": the inputs have " + std::to_string((*input)[1]) + " rows but the targets " +
                      std::to_string(*target_rows));
   }
+  // The stages' data-parallel peers run the same schedule too (compared once per set of groups:
+  // the layout never changes, the units may).
+  const auto groups = agreement_groups();
+  const bool check_peers = groups != layout_agreed_groups_;
+  if (check_peers) {
+    for (size_t k = 1; k < groups.size(); ++k) {
+      if (groups[k]->size() == 1) continue;
+      const auto peers = groups[k]->all_gather_bytes(to_bytes(mine.layout), "pipeline layout check");
+      const std::string first(peers[0].begin(), peers[0].end());
+      if (first != mine.layout) {
+        errors.push_back(here + " runs (" + mine.layout + ") but rank 0 of its stages' data-parallel group runs (" +
+                         first + "); every data-parallel replica must build its PipelineSchedule with the same "
+                         "options over the same stages");
+      }
+    }
+  }
   std::optional<std::string> local_error;
   for (const auto& e : errors) local_error = local_error ? *local_error + "; " + e : e;
-  if (auto agreed = comm::agree_on_error(agreement_groups(), local_error, std::string(kApi) + "::step")) {
+  if (auto agreed = comm::agree_on_error(groups, local_error, std::string(kApi) + "::step")) {
     TORCH_CHECK(false, *agreed, ". The step is refused on every pipeline rank and on every rank of the stages' "
                 "data-parallel groups, before anything ran: the next step runs normally");
   }
+  if (check_peers) layout_agreed_groups_ = groups;
   TORCH_CHECK(input.has_value(), kApi, "::step: no rank holds the first stage");
   return *input;
 }

@@ -23,8 +23,9 @@
 // microbatches, scale_grads, reduce_every_microbatch, number of stages and stages per rank), the
 // input's shape and dtype (the first stage's rank) and whether targets were given (the last
 // stage's). Each rank then names what it finds wrong: its own arguments (a batch the microbatches
-// do not divide, missing inputs or targets), a layout that differs from pipeline rank 0's, inputs
-// and targets whose batch sizes differ. Those errors go through the error agreement
+// do not divide, missing inputs or targets), a layout that differs from pipeline rank 0's (or, at
+// the first step with given fully_shard units, from its data-parallel group's rank 0: one more
+// all-gather of the layout over each of those groups), inputs and targets whose batch sizes differ. Those errors go through the error agreement
 // (comm/agreement.h) over the pipeline group and then over every data-parallel group the stages'
 // fully_shard units communicate over (PipelineStage::set_fsdp_units: each unit's shard group and
 // HSDP replicate group), so that a bad batch on one data-parallel replica is refused by every rank
@@ -121,6 +122,8 @@ class PipelineSchedule {
   // This rank's program at a step that agrees shapes [0] and at any other step [1] ([Note: rank
   // programs] in schedule_order.h).
   std::vector<ProgramStep> programs_[2];
+  // The agreement groups whose data-parallel peers were found to run the same layout.
+  std::vector<std::shared_ptr<comm::Communicator>> layout_agreed_groups_;
   std::vector<int64_t> agreed_input_shape_;  // the input shape the boundary shapes were agreed for
   std::vector<std::optional<std::vector<int64_t>>> boundary_shapes_;  // per stage boundary b (stage b -> b+1)
   std::vector<int> boundary_dtypes_;

@@ -4,7 +4,8 @@
 // job with the same error within seconds, and the next step runs normally everywhere (the
 // parameters then equal the unsharded model trained on the good steps alone); ranks whose
 // schedule kind, number of microbatches, scale_grads, reduce_every_microbatch or stage chunks
-// differ get one error naming the cause instead of a transfer's timeout.
+// differ, across the pipeline group or across data-parallel replicas, get one error naming the cause
+// instead of a transfer's timeout.
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -223,6 +224,20 @@ FSDP_RANKS_TEST_CASE("pipeline ranks that disagree on the schedule or the stage 
                                ": pipeline rank 1 runs (") &&
                           Contains(v.mine) && Contains("but pipeline rank 0 runs (") && Contains(v.theirs) &&
                           Contains("must build its PipelineSchedule with the same kind"));
+    CHECK(same_on_every_rank(error));
+  }
+  // A whole data-parallel replica (both of its pipeline ranks) with another number of microbatches:
+  // its pipeline group agrees with itself, the data-parallel groups find it.
+  if (dp > 1) {
+    const bool odd_replica = mesh->coordinate("dp") == dp - 1;
+    Job job(2, dp, 1, fsdp::pipeline::ScheduleOptions().kind(ScheduleKind::k1F1B).n_microbatches(odd_replica ? 4 : 2));
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string error = error_of([&] { job.schedule->step(torch::randn({4, kDim}), torch::randn({4, kDim})); });
+    CHECK(seconds_since(t0) < 5.0);
+    // World rank 1 (pipeline rank 0 of replica 1) is the lowest that finds it.
+    CHECK_THAT(error, Contains("fsdp::pipeline::PipelineSchedule::step: rank 1: pipeline rank 0 runs (1f1b, 4 "
+                               "microbatches") &&
+                          Contains("but rank 0 of its stages' data-parallel group runs (1f1b, 2 microbatches"));
     CHECK(same_on_every_rank(error));
   }
   // The same options everywhere: the step runs.
