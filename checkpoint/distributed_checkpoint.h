@@ -46,7 +46,9 @@
 // replaces `dir` only after every rank wrote and flushed its files; a job killed midway leaves the
 // previous checkpoint intact. Loading validates everything it needs (files, sizes, headers, keys,
 // shapes, dtypes, coverage, checksums) on every rank before it modifies anything; an error on any
-// rank is thrown on every rank, naming that rank.
+// rank is thrown on every rank, naming that rank. A failure after that, while the ranks copy (a
+// file truncated during the load, a failed read), is thrown on every rank too, but the model and
+// the optimizer then hold a partial load and must be loaded again before training (see load).
 
 #include <cstdint>
 #include <functional>
@@ -181,6 +183,17 @@ class AsyncSave {
 /// key), what was expected and what was found. Refused while the model's parameters are in use
 /// (between a forward and its backward, a unit unsharded, a SummonFullParams scope open): see
 /// fsdp::parameters_in_use in checkpoint/state_dict_support.h.
+///
+/// A load is all-or-nothing only up to the copy: once every rank has verified what it needs, the
+/// ranks copy into the live parameters and optimizer state. If a rank fails then (a checkpoint
+/// file truncated or removed during the load, which is an error naming the file and the key, not
+/// a SIGBUS; a failed read or device copy), every rank throws the same error, which says so, and
+/// THE MODEL AND THE OPTIMIZER HOLD A PARTIAL LOAD, different between ranks (the previous values
+/// are not kept: that would cost a second copy of every shard and of the optimizer state). Every
+/// floating-point value the load writes is then set to NaN on every rank, so that training or
+/// evaluating from it gives NaN at once instead of silently training a mixture; `extra` is left
+/// unchanged. Load a checkpoint again (this one once its files are intact, or another) before
+/// going on ([Note: a load that fails while copying] in checkpoint/dcp_load.cc).
 void load(const std::string& dir, const FSDPModule& root, torch::optim::Optimizer* optimizer = nullptr,
           Extra* extra = nullptr, const LoadOptions& options = {});
 
@@ -194,7 +207,9 @@ void save_state(const std::string& dir, const ShardedStateDict& state, const Ext
                                          const Extra& extra = {}, const SaveOptions& options = {});
 
 /// Fills the `local` tensors of `state` from the checkpoint in `dir` (see load). Returns the
-/// number of keys loaded (strict: all of them).
+/// number of keys loaded (strict: all of them). A failure during the copy is as in load: the same
+/// error on every rank, and the tensors of `state` hold a partial load, their floating-point ones
+/// set to NaN on every rank; fill them again before using them.
 int64_t load_state(const std::string& dir, const ShardedStateDict& state, Extra* extra = nullptr,
                    const LoadOptions& options = {});
 
@@ -210,6 +225,12 @@ void set_file_written_hook(std::function<void(const std::string& path)> hook);
 /// The number of checkpoint files that loads in this process have opened so far (tests check
 /// that a load opens only the files holding what it reads).
 int64_t checkpoint_files_opened();
+/// Fault injection for tests only: `hook` runs on the loading thread in the copy phase of load
+/// and load_state (after every rank verified what it needs and agreed, and after the check that
+/// no mapped file changed size), before each contiguous run of key `key` is copied from the
+/// checkpoint file `path` (e.g. to truncate the file, simulating a file that shrinks while a load
+/// reads it). An empty function removes it. Not for production use.
+void set_before_copy_hook(std::function<void(const std::string& key, const std::string& path)> hook);
 }  // namespace testing
 
 }  // namespace fsdp::dcp
