@@ -9,7 +9,8 @@
 //   (c) ranks that disagree (one discarded, its peers did not) are refused on every rank when the
 //       next backward pass begins, naming the unit and zero_grad; discarding on the others too
 //       recovers;
-//   (d) set_to_none(false) zeroes `.grad` in place; a call inside a backward pass is refused.
+//   (d) set_to_none(false) zeroes `.grad` in place; a call inside a backward pass, a forward or a
+//       SummonFullParams scope is refused, and zero_grad after a backward that threw abandons it.
 #include <functional>
 #include <map>
 #include <memory>
@@ -24,6 +25,7 @@
 #include "fsdp_cpp/composable/fully_shard.h"
 #include "fsdp_cpp/composable/fully_shard_internal.h"
 #include "fsdp_cpp/composable/summon_full_params.h"
+#include "fsdp_cpp/contract/forward_hooks.h"
 #include "fsdp_cpp/tests/composable/parity.h"
 #include "fsdp_cpp/tests/composable/test_models.h"
 #include "fsdp_cpp/tests/testing/multi_rank.h"
@@ -286,5 +288,25 @@ FSDP_RANKS_TEST_CASE("zero_grad(false) zeroes the gradients in place; inside a b
   // After backward threw, zero_grad abandons the pass, and training goes on.
   root.zero_grad();
   loss_of(model, 2, rank()).backward();
-  for (const auto& p : model->parameters()) CHECK(p.grad().defined());
+  CHECK(root.sharded_grad_bytes() > 0);
+
+  // Inside a SummonFullParams scope, and from inside a forward (a block's pre-forward hook).
+  {
+    fsdp::SummonFullParams full(root);
+    CHECK_THAT(fsdp::testing::error_of([&] { root.zero_grad(); }),
+               Contains("FSDPModule::zero_grad: unit '<root>' has its full parameters") && Contains("SummonFullParams"));
+  }
+  auto hook = fsdp::contract::register_forward_pre_hook(
+      *model->block(1).ptr(), [&](torch::nn::Module&, fsdp::contract::ForwardArgs&) { root.zero_grad(); });
+  const std::string in_forward = fsdp::testing::error_of([&] { model(microbatch(3, rank()).first); });
+  hook.remove();
+  CHECK_THAT(in_forward, Contains("FSDPModule::zero_grad: unit '<root>'") && Contains("in the middle of a forward"));
+  // The first line is the refusal; the forward's error explanation below it lists this rank's shards.
+  CHECK(fsdp::testing::same_on_every_rank(in_forward.substr(0, in_forward.find('\n'))));
+  // The gradients were left alone; the forward that threw is abandoned by the next one.
+  CHECK(root.sharded_grad_bytes() > 0);
+  root.zero_grad();
+  CHECK(root.sharded_grad_bytes() == 0);
+  loss_of(model, 4, rank()).backward();
+  CHECK(root.sharded_grad_bytes() > 0);
 }
