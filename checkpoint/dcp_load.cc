@@ -618,6 +618,17 @@ std::string hex8(uint32_t value) {
   return buf;
 }
 
+// dcp::testing::set_before_verify_hook and set_before_copy_hook.
+using TestHook = std::function<void(const std::string& key, const std::string& path)>;
+std::mutex g_test_hook_mutex;
+TestHook g_before_verify_hook;
+TestHook g_before_copy_hook;
+
+TestHook test_hook(const TestHook& hook) {
+  std::lock_guard<std::mutex> lock(g_test_hook_mutex);
+  return hook;
+}
+
 // Verifies the checksums of every span, in file order per file, with read-ahead, from one mapping
 // per file kept in `mappings` for the copy (see the note above). A mismatch is a c10::Error naming
 // the file, the key and the block; so is a file that ends inside a block ([Note: a mapping that
@@ -687,9 +698,11 @@ void verify_spans(const CheckpointIndex& index, const std::vector<Target>& targe
       }
     }
   };
+  const TestHook hook = test_hook(g_before_verify_hook);
   for (const Span* span : spans) {
     const storage::SafetensorsFile& file = *index.files[span->piece->file];
     const storage::SafetensorsEntry& entry = *span->piece->entry;
+    if (hook) hook(entry.key, path_of(index, span->piece->file));
     const FileMapping* mapping = mappings.find(span->piece->file);
     const int64_t block = file.header().crc_block_bytes;
     if (block == 0 || mapping == nullptr || mapping->base == nullptr) {
@@ -727,10 +740,6 @@ void verify_spans(const CheckpointIndex& index, const std::vector<Target>& targe
   }
 }
 
-// dcp::testing::set_before_copy_hook.
-std::mutex g_copy_hook_mutex;
-std::function<void(const std::string& key, const std::string& path)> g_before_copy_hook;
-
 // Copies the planned reads into the local tensors: from the file's mapping when the verification
 // made one (see the note above), otherwise with pread; straight into contiguous CPU destinations of
 // the file's dtype, otherwise through one staging buffer of at most `max_staging_bytes`. Every error
@@ -745,11 +754,7 @@ void execute_reads(const char* api, const CheckpointIndex& index, const std::vec
                 mapping->file_bytes, " bytes when it was verified but has ", now,
                 " before the copy (truncated or rewritten during the load)");
   }
-  std::function<void(const std::string&, const std::string&)> hook;
-  {
-    std::lock_guard<std::mutex> lock(g_copy_hook_mutex);
-    hook = g_before_copy_hook;
-  }
+  const TestHook hook = test_hook(g_before_copy_hook);
   // Bytes [begin, end) of a read's entry into dst.
   const auto read_bytes = [&](const Target& target, const Read& read, int64_t begin, int64_t end, void* dst) {
     const FileMapping* mapping = mappings.find(read.piece->file);
@@ -979,8 +984,13 @@ int64_t load_state(const std::string& dir, const ShardedStateDict& state, Extra*
 namespace testing {
 int64_t checkpoint_files_opened() { return g_files_opened.load(); }
 
+void set_before_verify_hook(std::function<void(const std::string& key, const std::string& path)> hook) {
+  std::lock_guard<std::mutex> lock(g_test_hook_mutex);
+  g_before_verify_hook = std::move(hook);
+}
+
 void set_before_copy_hook(std::function<void(const std::string& key, const std::string& path)> hook) {
-  std::lock_guard<std::mutex> lock(g_copy_hook_mutex);
+  std::lock_guard<std::mutex> lock(g_test_hook_mutex);
   g_before_copy_hook = std::move(hook);
 }
 }  // namespace testing

@@ -225,6 +225,11 @@ void set_file_written_hook(std::function<void(const std::string& path)> hook);
 /// The number of checkpoint files that loads in this process have opened so far (tests check
 /// that a load opens only the files holding what it reads).
 int64_t checkpoint_files_opened();
+/// Fault injection for tests only: `hook` runs on the loading thread in the checksum pass of load
+/// and load_state (before the ranks agree that the checkpoint is sound), before the checksums of
+/// the bytes of key `key` that the rank reads from the checkpoint file `path` are verified. An
+/// empty function removes it. Not for production use.
+void set_before_verify_hook(std::function<void(const std::string& key, const std::string& path)> hook);
 /// Fault injection for tests only: `hook` runs on the loading thread in the copy phase of load
 /// and load_state (after every rank verified what it needs and agreed, and after the check that
 /// no mapped file changed size), before each contiguous run of key `key` is copied from the

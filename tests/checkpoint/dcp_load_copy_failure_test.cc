@@ -222,6 +222,58 @@ FSDP_RANKS_TEST_CASE("a checkpoint file truncated while one rank copies it: the 
   }
 }
 
+// The same truncation one step earlier, in the checksum pass (before the ranks agree): an error
+// on every rank naming the file and the key, not a SIGBUS, and nothing loaded on any rank.
+FSDP_RANKS_TEST_CASE("a checkpoint file truncated while one rank verifies it: nothing is loaded on any rank",
+                     "[dcp][copy_failure]") {
+  const int W = world_size();
+  const std::string dir = test_dir("verify");
+  Setup source(8);
+  fsdp::dcp::save(dir, source.root(), source.optim.get(), {},
+                  fsdp::dcp::SaveOptions().communicator(fresh_comm()).crc_block_bytes(64));
+  const StateDict saved = local_values(source);
+  const auto options = fsdp::dcp::LoadOptions().communicator(fresh_comm());
+  const int victim = W - 1;
+  Setup dest(88);
+  const StateDict before = local_values(dest);
+  std::string hit_key;
+  std::string hit_path;
+  std::string original;
+  int own_spans = 0;
+  struct VerifyHookGuard {
+    explicit VerifyHookGuard(std::function<void(const std::string&, const std::string&)> hook) {
+      fsdp::dcp::testing::set_before_verify_hook(std::move(hook));
+    }
+    ~VerifyHookGuard() { fsdp::dcp::testing::set_before_verify_hook({}); }
+  };
+  {
+    VerifyHookGuard hook([&](const std::string& key, const std::string& path) {
+      if (rank() != victim || !file_name(path).starts_with(own_prefix(victim)) || ++own_spans != 2) return;
+      hit_key = key;
+      hit_path = path;
+      original = fsdp::storage::read_file(path);
+      truncate_to(path, 0);
+    });
+    const std::string message =
+        error_on_every_rank([&] { fsdp::dcp::load(dir, dest.root(), dest.optim.get(), nullptr, options); });
+    INFO(message);
+    const std::string key = from_rank(hit_key, victim);
+    REQUIRE_FALSE(key.empty());
+    const std::string file = file_name(from_rank(hit_path, victim));
+    CHECK_THAT(message, Contains("fsdp::dcp::load failed on rank " + std::to_string(victim) + " of " +
+                                 std::to_string(W) + " (validation; nothing was loaded)") &&
+                            Contains("the checkpoint file '") && Contains(file + "' ended while block ") &&
+                            Contains(" of entry '" + key + "'") &&
+                            Contains("bytes when the load mapped it and has 0 now (truncated during the load)"));
+    check_equal(local_values(dest), before);  // nothing loaded on any rank
+  }
+  world().barrier();
+  if (rank() == victim) fsdp::storage::write_file(hit_path, original);
+  world().barrier();
+  fsdp::dcp::load(dir, dest.root(), dest.optim.get(), nullptr, options);
+  check_equal(local_values(dest), saved);
+}
+
 // Each rank saves and loads its own range of two values of 3 Mi floats per rank (three windows of
 // the mapped copy each), so a rank reads only its own file. The victim (the last rank) truncates
 // its file in the middle of v1's bytes when it begins to copy v1: the first half of v1 is copied
