@@ -228,6 +228,38 @@ PendingCollective Communicator::recv(at::Tensor tensor, int src, int tag, std::s
   return record_issue(std::move(work), CollectiveKind::kRecv, nbytes(tensor), std::move(label));
 }
 
+bool Communicator::supports_failure_messages() const {
+  return dynamic_cast<PointToPointFailures*>(backend_.get()) != nullptr;
+}
+
+namespace {
+PointToPointFailures& failures_of(const c10::intrusive_ptr<c10d::Backend>& backend, const char* op) {
+  auto* failures = dynamic_cast<PointToPointFailures*>(backend.get());
+  TORCH_CHECK(failures != nullptr, "fsdp comm ", op, ": the ", backend->getBackendName(),
+              " backend cannot send failures in place of tensors (expected a backend with failure messages, "
+              "such as MPI; found one without: NCCL has no envelope to mark a message as a failure); check "
+              "Communicator::supports_failure_messages() first");
+  return *failures;
+}
+}  // namespace
+
+PendingCollective Communicator::send_failure(const std::string& failure, int dst, int tag, std::string label) {
+  check_peer(dst, tag, "send");
+  auto& failures = failures_of(backend_, "send_failure");
+  IssuingApi api(label.empty() ? std::string() : "failure in place of the send labelled '" + label + "'");
+  auto work = failures.send_failure(failure, dst, tag);
+  return record_issue(std::move(work), CollectiveKind::kSend, static_cast<int64_t>(failure.size()),
+                      std::move(label));
+}
+
+PendingCollective Communicator::recv_discard(int src, int tag, std::string label) {
+  check_peer(src, tag, "recv");
+  auto& failures = failures_of(backend_, "recv_discard");
+  IssuingApi api(label.empty() ? std::string() : "discarding recv labelled '" + label + "'");
+  auto work = failures.recv_discard(src, tag);
+  return record_issue(std::move(work), CollectiveKind::kRecv, 0, std::move(label));
+}
+
 CollectiveStats Communicator::stats(CollectiveKind kind) const {
   std::lock_guard<std::mutex> guard(mutex_);
   return stats_[static_cast<int>(kind)];

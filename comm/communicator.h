@@ -18,6 +18,8 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "fsdp_cpp/comm/point_to_point_failure.h"
+
 namespace fsdp::comm {
 
 enum class CollectiveKind : int {
@@ -145,7 +147,27 @@ class Communicator {
   ///   comm.stats(fsdp::comm::CollectiveKind::kSend);   // {calls, bytes} (rank 0: {1, 128})
   PendingCollective send(at::Tensor tensor, int dst, int tag = 0, std::string label = {});
   /// Receives into `tensor` the next send of rank `src` of this group to this rank with `tag`.
+  /// When `src` sent a failure in its place (send_failure), wait() throws a PeerFailedError
+  /// (comm/point_to_point_failure.h) carrying the sender's text, and `tensor` is unchanged.
   PendingCollective recv(at::Tensor tensor, int src, int tag = 0, std::string label = {});
+
+  /// Whether this group's backend can send failures in place of tensors (the MPI backend; not
+  /// NCCL, which has no envelope: [Note: point-to-point failure messages]).
+  bool supports_failure_messages() const;
+  /// Sends `failure` (a text) to rank `dst` in place of the next tensor this rank would send it
+  /// with `tag`: the peer's matching recv (or recv_discard) fails with a PeerFailedError carrying
+  /// the text; the channel stays in step. Completes once the peer took it. Counted as a send of the
+  /// text's bytes. A backend without failure messages is a c10::Error before anything is issued.
+  ///
+  ///   try { out = stage(x); } catch (const c10::Error& e) {
+  ///     comm.send_failure(e.what_without_backtrace(), /*dst=*/1, /*tag=*/0, "activations").wait();
+  ///   }
+  ///   // rank 1: comm.recv(t, 0, 0).wait() throws fsdp::comm::PeerFailedError; failure() is the text
+  PendingCollective send_failure(const std::string& failure, int dst, int tag = 0, std::string label = {});
+  /// Receives and drops the next send of rank `src` with `tag`, whatever its dtype and size (a rank
+  /// that gave up on a transfer keeps the channel in step with it); wait() throws a PeerFailedError
+  /// when a failure came in its place. Counted as a recv of 0 bytes. Same refusal as send_failure.
+  PendingCollective recv_discard(int src, int tag = 0, std::string label = {});
 
   /// The issue number of the last collective recorded (0 before the first): equal on every rank
   /// while they issue the same collectives. The divergence check (fsdp/divergence.h) compares it.

@@ -42,6 +42,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "fsdp_cpp/comm/collective_timeout.h"
+#include "fsdp_cpp/comm/point_to_point_failure.h"
 
 namespace fsdp::comm {
 
@@ -70,7 +71,7 @@ struct MpiBackendOptions {
   static bool default_check_sizes();
 };
 
-class MpiBackend final : public c10d::Backend {
+class MpiBackend final : public c10d::Backend, public PointToPointFailures {
  public:
   using Options = MpiBackendOptions;
 
@@ -140,6 +141,16 @@ class MpiBackend final : public c10d::Backend {
   /// As recv, from whichever rank's send with `tag` arrives first; the Work's sourceRank() names it
   /// once `wait()` returned.
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+
+  /// [Note: point-to-point failure messages] (comm/point_to_point_failure.h): `failure` sent to
+  /// `dstRank` in place of the next tensor with `tag`; its recv fails with a PeerFailedError.
+  ///
+  ///   if (backend->getRank() == 0) backend->send_failure("stage 0 failed", 1, 7)->wait();
+  ///   if (backend->getRank() == 1) backend->recv(t, 0, 7)->wait();   // PeerFailedError
+  c10::intrusive_ptr<c10d::Work> send_failure(const std::string& failure, int dstRank, int tag) override;
+  /// Receives and drops the next send of `srcRank` with `tag` (any dtype and size), or fails with
+  /// the PeerFailedError of a failure sent in its place.
+  c10::intrusive_ptr<c10d::Work> recv_discard(int srcRank, int tag) override;
 
  private:
   // recv and recvAnysource (`src` -1).

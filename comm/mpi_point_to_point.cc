@@ -28,8 +28,15 @@
 // numbers ("send #3"): the group's collective sequence is unchanged by them.
 // Cost: two small extra messages per send (a 128-byte envelope and answer), and a send's `wait()`
 // returns only once the receiver issued its recv (as NCCL's send).
+// Failures ([Note: point-to-point failure messages] in comm/point_to_point_failure.h): an envelope
+// of kind kFailed announces, in place of a tensor, a payload holding the sender's failure text. Its
+// receiver takes that payload into scratch memory whatever its own tensor, answers "accepted" (so
+// the sender's Work completes normally) and fails with a PeerFailedError carrying the text. A
+// discarding recv (recv_discard) has no tensor: it takes any payload into scratch memory, answers
+// "accepted", and completes normally unless the envelope was a failure.
 #include <array>
 #include <climits>
+#include <cstring>
 #include <memory>
 #include <string>
 
@@ -41,6 +48,7 @@
 #include "fsdp_cpp/comm/mpi_backend.h"
 #include "fsdp_cpp/comm/mpi_progress.h"
 #include "fsdp_cpp/comm/mpi_work.h"
+#include "fsdp_cpp/comm/point_to_point_failure.h"
 
 namespace fsdp::comm {
 namespace {
@@ -52,7 +60,7 @@ constexpr int kEnvelopeFields = 16;
 constexpr int kMaxEnvelopeDims = 8;
 enum Field : int { kKind = 0, kRank, kDtype, kNumel, kBytes, kPayloadTag, kTag, kDims, kSizes };
 static_assert(kSizes + kMaxEnvelopeDims == kEnvelopeFields);
-enum Kind : int64_t { kSent = 1, kAccepted = 2, kRefused = 3 };
+enum Kind : int64_t { kSent = 1, kAccepted = 2, kRefused = 3, kFailed = 4 };
 using Envelope = std::array<int64_t, kEnvelopeFields>;
 
 Envelope envelope_of(const at::Tensor& t, Kind kind, int rank, int64_t payload_tag, int tag) {
@@ -100,8 +108,10 @@ struct RecvState {
   Envelope mine{};      // this rank's tensor
   Envelope envelope{};  // the sender's
   Envelope answer{};    // sent back
-  bool accepted = false;
-  at::Tensor scratch;   // receives a refused payload
+  bool discard = false; // recv_discard: no tensor, any payload is taken and dropped
+  bool accepted = false;  // the payload goes into this rank's tensor
+  bool failed = false;    // the sender sent a failure (its text is the payload)
+  at::Tensor scratch;   // receives a refused, discarded or failure payload
 };
 
 }  // namespace
@@ -172,6 +182,55 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::send(std::vector<at::Tensor>& tensors
   return work;
 }
 
+c10::intrusive_ptr<c10d::Work> MpiBackend::send_failure(const std::string& failure, int dstRank, int tag) {
+  // The text travels as the payload: one byte tensor, checked like any send's.
+  at::Tensor text = at::empty({static_cast<int64_t>(failure.size())}, at::kByte);
+  if (!failure.empty()) std::memcpy(text.data_ptr(), failure.data(), failure.size());
+  std::vector<at::Tensor> tensors{text};
+  check_point_to_point(tensors, dstRank, tag, "send");
+  const uint64_t sequence = ++p2p_sequence_;
+  const int payload_tag = static_cast<int>(next_payload_tag_++ % (static_cast<uint64_t>(tag_ub_) + 1));
+  auto state = std::make_shared<SendState>();
+  state->envelope = envelope_of(text, kFailed, rank_, payload_tag, tag);
+  auto work = c10::make_intrusive<MpiWork>(rank_, c10d::OpType::SEND, std::vector<at::Tensor>{text});
+
+  mpi::PendingCollective op;
+  const std::string api = IssuingApi::current();
+  op.description = fmt::format("send #{} (a failure, in place of a tensor, to rank {}, tag {}) on MPI group '{}' "
+                               "(rank {} of {}), issued by {}",
+                               sequence, dstRank, tag, options_.name, rank_, size_,
+                               api.empty() ? "an API that did not name itself" : api);
+  op.timeout = options_.timeout;
+  const int bytes = static_cast<int>(text.nbytes());
+  const MPI_Comm envelope_comm = envelope_comm_, payload_comm = payload_comm_, ack_comm = ack_comm_;
+  op.start = [=](MPI_Request* r) {
+    int rc = MPI_Isend(state->envelope.data(), kEnvelopeFields, MPI_INT64_T, dstRank, tag, envelope_comm, &r[0]);
+    if (rc == MPI_SUCCESS) rc = MPI_Isend(text.data_ptr(), bytes, MPI_BYTE, dstRank, payload_tag, payload_comm, &r[1]);
+    if (rc == MPI_SUCCESS) {
+      rc = MPI_Irecv(state->answer.data(), kEnvelopeFields, MPI_INT64_T, dstRank, payload_tag, ack_comm, &r[2]);
+    }
+    return rc;
+  };
+  op.after = [state, dstRank, description = op.description] {
+    TORCH_CHECK(state->answer[kKind] == kAccepted, "MPI backend ", description, ": rank ", dstRank,
+                " answered the failure with kind ", state->answer[kKind], " instead of accepting it (",
+                kAccepted, "); both ranks must run this build of the backend");
+  };
+  op.finish = [work](std::exception_ptr error) { work->complete(error); };
+  op.waiting_running = fmt::format(
+      "rank {} has not received this failure: it issued no recv from rank {} with tag {} (or is stuck "
+      "before it)", dstRank, rank_, tag);
+  op.timeout_advice = kTimeoutAdvice;
+  work->set_submitted(mpi::submit(std::move(op), wait_drives_progress_.load()));
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::recv_discard(int srcRank, int tag) {
+  // A placeholder for the checks; nothing is received into it.
+  std::vector<at::Tensor> tensors{at::empty({0}, at::kByte)};
+  return receive(tensors, srcRank, tag, "recv_discard");
+}
+
 c10::intrusive_ptr<c10d::Work> MpiBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
   return receive(tensors, srcRank, tag, "recv");
 }
@@ -187,6 +246,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::receive(std::vector<at::Tensor>& tens
   const uint64_t sequence = ++p2p_sequence_;
   auto state = std::make_shared<RecvState>();
   state->mine = envelope_of(t, kAccepted, rank_, 0, tag);
+  state->discard = std::string(name) == "recv_discard";
   const c10d::OpType type = src < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV;
   auto work = c10::make_intrusive<MpiWork>(rank_, type, std::vector<at::Tensor>{t});
 
@@ -194,7 +254,8 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::receive(std::vector<at::Tensor>& tens
   const std::string api = IssuingApi::current();
   const std::string peer = src < 0 ? std::string("any rank") : "rank " + std::to_string(src);
   op.description = fmt::format("{} #{} ({} from {}, tag {}) on MPI group '{}' (rank {} of {}), issued by {}",
-                               name, sequence, mpi::describe(t), peer, tag, options_.name, rank_, size_,
+                               name, sequence, state->discard ? std::string("anything") : mpi::describe(t), peer,
+                               tag, options_.name, rank_, size_,
                                api.empty() ? "an API that did not name itself" : api);
   op.timeout = options_.timeout;
   const MPI_Comm envelope_comm = envelope_comm_, payload_comm = payload_comm_, ack_comm = ack_comm_;
@@ -205,9 +266,11 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::receive(std::vector<at::Tensor>& tens
   };
   op.check_verify = [state] {
     const Envelope& e = state->envelope;
-    state->accepted = e[kKind] == kSent && e[kDtype] == state->mine[kDtype] && e[kNumel] == state->mine[kNumel];
+    state->failed = e[kKind] == kFailed;
+    state->accepted = !state->discard && e[kKind] == kSent && e[kDtype] == state->mine[kDtype] &&
+                      e[kNumel] == state->mine[kNumel];
     state->answer = state->mine;
-    state->answer[kKind] = state->accepted ? kAccepted : kRefused;
+    state->answer[kKind] = state->accepted || state->failed || state->discard ? kAccepted : kRefused;
     state->answer[kPayloadTag] = e[kPayloadTag];
   };
   // ... then its payload (into scratch memory when refused) and the answer.
@@ -228,14 +291,24 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::receive(std::vector<at::Tensor>& tens
     return rc;
   };
   op.after = [state, t, description = op.description] {
-    if (state->accepted) return;
     const Envelope& e = state->envelope;
+    if (state->failed) {
+      std::string failure;
+      if (state->scratch.numel() > 0) {
+        failure.assign(static_cast<const char*>(state->scratch.data_ptr()), static_cast<size_t>(state->scratch.numel()));
+      }
+      throw PeerFailedError(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                            fmt::format("MPI backend {}: rank {} sent a failure in place of the tensor: {}",
+                                        description, e[kRank], failure),
+                            static_cast<int>(e[kRank]), failure);
+    }
+    if (state->accepted || state->discard) return;
     TORCH_CHECK(false, "MPI backend ", description, ": rank ", e[kRank], " sent ", describe_envelope(e),
                 " with tag ", e[kTag], ", but this recv expects ", describe_envelope(state->mine),
                 ". The tensor was left unchanged, and the send fails on rank ", e[kRank], " too. ", kAdvice);
   };
   op.finish = [work, state](std::exception_ptr error) {
-    if (state->envelope[kKind] == kSent) work->set_source_rank(static_cast<int>(state->envelope[kRank]));
+    if (state->envelope[kKind] == kSent || state->envelope[kKind] == kFailed) work->set_source_rank(static_cast<int>(state->envelope[kRank]));
     work->complete(error);
   };
   op.waiting_first_stage =

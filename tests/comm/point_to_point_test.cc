@@ -304,3 +304,60 @@ FSDP_RANKS_TEST_CASE("misuse is refused before anything is issued", "[comm][mpi]
     CHECK_THAT(error_of([&] { backend->send(self, next_rank(), -1); }), Contains("tag -1 is outside MPI's tag range 0 .. "));
   }
 }
+
+// [Note: point-to-point failure messages]: a failure in place of a tensor makes the matching recv
+// throw a PeerFailedError with the sender's text (the sender's send completes normally, the
+// receiver's tensor is unchanged), recv_discard drops a tensor of any size and raises a failure,
+// and the channel stays in step afterwards.
+FSDP_RANKS_TEST_CASE("a failure sent in place of a tensor fails the matching recv with the sender's text",
+                     "[comm][mpi][p2p][failure]") {
+  fsdp::comm::Communicator comm(world().backend(), at::kCPU);
+  CHECK(comm.supports_failure_messages());
+  if (comm.size() == 1) {
+    CHECK_THAT(error_of([&] { comm.send_failure("x", 0, 1); }), Contains("rank 0 cannot send to itself"));
+    CHECK_THAT(error_of([&] { comm.recv_discard(0, 1); }), Contains("rank 0 cannot receive from itself"));
+    return;
+  }
+  const std::string text = "stage " + std::to_string(rank()) + " failed: boom";
+  const std::string previous_text = "stage " + std::to_string(previous_rank()) + " failed: boom";
+  // 1. A normal recv meets a failure: PeerFailedError with the text, the tensor untouched.
+  at::Tensor received = at::full({16}, 7.0f);
+  auto recv = comm.recv(received, previous_rank(), 950, "activations");
+  auto send = comm.send_failure(text, next_rank(), 950, "activations");
+  send.wait();  // the receiver took it: the send itself succeeds
+  bool caught = false;
+  try {
+    recv.wait();
+  } catch (const fsdp::comm::PeerFailedError& e) {
+    caught = true;
+    CHECK(e.failure() == previous_text);
+    CHECK(e.peer() == previous_rank());
+    CHECK_THAT(std::string(e.what_without_backtrace()),
+               Contains("rank " + std::to_string(previous_rank()) + " sent a failure in place of the tensor: " +
+                        previous_text));
+  }
+  CHECK(caught);
+  CHECK(received.equal(at::full({16}, 7.0f)));
+  // 2. recv_discard takes a tensor of any dtype and size (large: MPI's rendezvous protocol) and the
+  //    sender's send completes; then a failure through recv_discard.
+  auto discard = comm.recv_discard(previous_rank(), 951, "gradients");
+  comm.send(at::ones({1 << 20}, at::kDouble), next_rank(), 951, "gradients").wait();
+  discard.wait();
+  auto discard_failure = comm.recv_discard(previous_rank(), 951);
+  comm.send_failure(text, next_rank(), 951).wait();
+  caught = false;
+  try {
+    discard_failure.wait();
+  } catch (const fsdp::comm::PeerFailedError& e) {
+    caught = e.failure() == previous_text;
+  }
+  CHECK(caught);
+  // 3. In step: tensors after the failures match their recvs.
+  at::Tensor next = at::empty({16}, at::kFloat);
+  auto in_step = comm.recv(next, previous_rank(), 950);
+  comm.send(message(rank(), 5, 16, at::kFloat), next_rank(), 950).wait();
+  in_step.wait();
+  CHECK(next.equal(message(previous_rank(), 5, 16, at::kFloat)));
+  CHECK(comm.stats(CollectiveKind::kSend).calls == 4);
+  CHECK(comm.stats(CollectiveKind::kRecv).calls == 4);
+}
