@@ -75,8 +75,9 @@ void explain_forward_error(const FSDPState& unit, c10::Error& error) {
   const RootContext* context = unit.root_context();
   if (context == nullptr) return;
   // fully_shard's own errors (e.g. a forward order that differs across ranks, raised in a unit's
-  // pre-forward) say what is wrong already.
-  if (error.msg().rfind("fully_shard:", 0) == 0) return;
+  // pre-forward, or an FSDPModule method refusing to run inside a forward) say what is wrong
+  // already.
+  if (error.msg().rfind("fully_shard:", 0) == 0 || error.msg().rfind("FSDPModule::", 0) == 0) return;
   for (const auto& line : error.context()) {
     if (line.rfind(kExplainedMarker, 0) == 0) return;  // an inner unit explained it
   }
