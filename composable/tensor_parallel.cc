@@ -1,5 +1,8 @@
 #include "fsdp_cpp/composable/tensor_parallel.h"
 
+#include <cstdlib>
+#include <cstring>
+
 #include <algorithm>
 #include <atomic>
 #include <map>
@@ -24,6 +27,7 @@
 #include "fsdp_cpp/contract/module_state.h"
 #include "fsdp_cpp/contract/shape_text.h"
 #include "fsdp_cpp/init/meta_init.h"
+#include "fsdp_cpp/storage/crc32c.h"
 
 namespace fsdp {
 namespace {
@@ -298,6 +302,50 @@ contract::ForwardWrapper make_wrapper(const Target& t, const ParallelStyle& styl
   };
 }
 
+// [Note: replicated inputs] A style whose input is Replicate assumes every rank of the group holds
+// the same tensor; ranks fed different data (seeded by world rank instead of data-parallel rank)
+// would train a model no unsharded run computes, silently. The wrapper of such a style compares
+// a CRC-32C of its input's bytes over the group at the module's first call (every call with
+// FSDP_DEBUG set), one all_gather_bytes of 4 bytes per styled module, and every rank refuses a
+// difference with the same error. Every rank of the group makes that first call together (it is
+// the same model called alike), so the exchange pairs up.
+bool takes_replicated_input(const ParallelStyle& style) {
+  if (const auto* s = std::get_if<ColwiseParallel>(&style)) return s->input_layout() == Layout::replicate();
+  if (const auto* s = std::get_if<RowwiseParallel>(&style)) return s->input_layout() == Layout::replicate();
+  if (const auto* s = std::get_if<SequenceParallel>(&style)) return s->input_layout() == Layout::replicate();
+  if (const auto* s = std::get_if<PrepareModuleInput>(&style)) return s->input_layout() == Layout::replicate();
+  return false;
+}
+
+bool debug_every_call() {
+  const char* v = std::getenv("FSDP_DEBUG");
+  return v != nullptr && *v != '\0' && std::string(v) != "0";
+}
+
+contract::ForwardWrapper checking_replicated_input(contract::ForwardWrapper styled, const tp::Group& group,
+                                                   std::string fqn, std::string style) {
+  auto checked = std::make_shared<std::atomic<bool>>(false);
+  return [styled = std::move(styled), group, fqn = std::move(fqn), style = std::move(style), checked](
+             torch::nn::Module& m, const contract::ForwardArgs& args, const contract::ForwardFunction& forward) {
+    if (!checked->load(std::memory_order_relaxed) || debug_every_call()) {
+      const at::Tensor x = first_tensor(args, fqn, style.c_str()).detach().to(at::kCPU).contiguous();
+      const uint32_t crc = storage::crc32c(x.data_ptr(), x.numel() * x.element_size());
+      std::vector<uint8_t> mine(sizeof(crc));
+      std::memcpy(mine.data(), &crc, sizeof(crc));
+      const auto all = group->all_gather_bytes(mine, "parallelize_module: replicated input of " + fqn);
+      for (size_t r = 1; r < all.size(); ++r) {
+        TORCH_CHECK(all[r] == all[0], "parallelize_module: module '", fqn, "' (", style, ") takes a Replicate input, "
+                    "so every rank of its tensor-parallel group must be given the same tensor; rank 0 and rank ", r,
+                    " of the group were given different ones. Give the ranks of a tp group the same data (seed it "
+                    "by data-parallel rank, not world rank; fsdp::parallel::ParallelMesh::data_rank()) ([Note: "
+                    "replicated inputs])");
+      }
+      checked->store(true, std::memory_order_relaxed);  // a refused first call is checked again
+    }
+    return styled(m, args, forward);
+  };
+}
+
 // A style's wrapper that counts its graph-building calls ([Note: bypassed tensor-parallel modules]).
 contract::ForwardWrapper counting(contract::ForwardWrapper styled, std::shared_ptr<StyledCalls> calls) {
   return [styled = std::move(styled), calls = std::move(calls)](torch::nn::Module& m, const contract::ForwardArgs& args,
@@ -526,6 +574,9 @@ void parallelize(torch::nn::Module& module, const std::shared_ptr<comm::Communic
         if (group->size() > 1) {
           contract::ForwardWrapper styled = make_wrapper(t, style, group);
           if (places_parameters(style)) styled = counting(std::move(styled), state->calls);
+          if (takes_replicated_input(style)) {
+            styled = checking_replicated_input(std::move(styled), group, t.fqn, style_name(style));
+          }
           contract::register_forward_wrapper(m, std::move(styled));
         }
       }

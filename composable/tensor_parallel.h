@@ -48,6 +48,11 @@
 // Activation checkpointing composes when applied to a module around the parallelized ones (a
 // block), not to a parallelized module itself.
 //
+// A style whose input is Replicate compares a checksum of its input over the group at the
+// module's first call (every call with FSDP_DEBUG=1): ranks of a tp group given different data
+// (seeded by world rank rather than data-parallel rank) are refused on every rank, naming the
+// module ([Note: replicated inputs] in tensor_parallel.cc).
+//
 // Bad input (a plan entry matching no module, a style on a module type it does not support, a
 // dimension the group size does not divide, a module already parallelized or managed by
 // fully_shard) is refused before anything changes, with an error naming parallelize_module, the

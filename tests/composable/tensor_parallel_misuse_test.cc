@@ -216,3 +216,24 @@ FSDP_RANKS_TEST_CASE("a bypassed tensor-parallel Linear inside fully_shard is re
     CHECK(same_on_every_rank(error));
   }
 }
+
+FSDP_RANKS_TEST_CASE("ranks of a tp group given different replicated inputs are refused at the module's first call", "[tp][inputs]") {
+  if (world_size() < 2) return;  // one rank: no group to differ from
+  // [Note: replicated inputs]: the ids are seeded by world rank (the mistake); the Embedding's
+  // RowwiseParallel takes a Replicate input, so its first call refuses on every rank.
+  Mlp model = make_mlp();
+  fsdp::parallelize_module(*model, fresh_comm(), kPlan);
+  auto gen = at::detail::createCPUGenerator(100 + rank());
+  const at::Tensor mine = at::randint(12, {2, 6}, gen);
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string e = error_of([&] { model(mine); });
+  CHECK(seconds_since(t0) < 10);
+  CHECK_THAT(e, Contains("parallelize_module: module 'emb' (RowwiseParallel) takes a Replicate input"));
+  CHECK_THAT(e, Contains("seed it by data-parallel rank, not world rank"));
+  CHECK(same_on_every_rank(e));
+  // A refused call does not count as the checked one: still refused.
+  CHECK_THAT(error_of([&] { model(mine); }), Contains("takes a Replicate input"));
+  // The same data on every rank: accepted, and later calls are not checked again (no collective).
+  const std::string ok = error_of([&] { model(ids()).sum().backward(); });
+  CHECK(ok == kNoError);
+}
