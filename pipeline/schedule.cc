@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include "fsdp_cpp/comm/agreement.h"
+#include "fsdp_cpp/comm/point_to_point_failure.h"
 #include "fsdp_cpp/composable/fully_shard_internal.h"
 
 namespace fsdp::pipeline {
@@ -91,10 +92,10 @@ auto naming_failures(const PipelineStage& stage, const char* pass, int mb, Fn&& 
   try {
     return fn();
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, kApi, ": ", stage.name(), " failed in the ", pass, " of microbatch ", mb, ": ",
+    TORCH_CHECK(false, kApi, "::step: ", stage.name(), " failed in the ", pass, " of microbatch ", mb, ": ",
                 e.what_without_backtrace());
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, kApi, ": ", stage.name(), " failed in the ", pass, " of microbatch ", mb, ": ", e.what());
+    TORCH_CHECK(false, kApi, "::step: ", stage.name(), " failed in the ", pass, " of microbatch ", mb, ": ", e.what());
   }
 }
 
@@ -277,16 +278,23 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
   std::vector<std::pair<comm::PendingCollective, at::Tensor>> sends;
   std::vector<at::Tensor> outputs(stages_.back()->is_last() ? m : 0);
   std::map<int, int64_t> live;  // microbatches held per stage
+  int64_t held_output_bytes = 0;  // the last stage's outputs the schedule references (StepStats)
 
+  // Whether the transfer of the program step being executed was issued ([Note: pipeline step
+  // failures]: a program step that failed before issuing its transfer still owes it).
+  bool issued = false;
   auto send = [&](at::Tensor t, int dst, int tag, const std::string& label) {
     t = t.contiguous();
     stats_.sends += 1;
     stats_.send_bytes += static_cast<int64_t>(t.nbytes());
     sends.emplace_back(group_->send(t, dst, tag, label), t);
+    issued = true;
   };
   auto recv = [&](at::Tensor t, int src, int tag, const std::string& label) {
     const auto t0 = Clock::now();
-    group_->recv(t, src, tag, label).wait();
+    auto work = group_->recv(t, src, tag, label);
+    issued = true;
+    work.wait();
     stats_.wait_seconds += seconds_since(t0);
     stats_.recvs += 1;
     stats_.recv_bytes += static_cast<int64_t>(t.nbytes());
@@ -326,28 +334,32 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
     const bool fwd = ps.action.type == Action::Type::kForward;
     at::Tensor t;
     if (fwd) {
-      TORCH_CHECK(boundary_shapes_[b].has_value(), kApi, ": internal error: the shape across stage boundary ", b,
+      TORCH_CHECK(boundary_shapes_[b].has_value(), kApi, "::step: internal error: the shape across stage boundary ", b,
                   " is not known when posting the receive of ", to_string(ps.action));
       t = at::empty(*boundary_shapes_[b], at::TensorOptions()
                                               .dtype(static_cast<at::ScalarType>(boundary_dtypes_[b]))
                                               .device(group_->device()));
       posted[std::make_tuple(0, s, mb)] = {group_->recv(t, ps.peer, forward_tag(b), activation_label(b, s, mb)), t};
+      issued = true;
     } else {
       auto out = stage_outputs.find({s, mb});
-      TORCH_CHECK(out != stage_outputs.end(), kApi, ": internal error: no output of ", to_string(ps.action),
+      TORCH_CHECK(out != stage_outputs.end(), kApi, "::step: internal error: no output of ", to_string(ps.action),
                   " when posting the receive of its gradient");
       t = at::empty(out->second.sizes(), out->second.options().requires_grad(false));
       posted[std::make_tuple(1, s, mb)] = {group_->recv(t, ps.peer, backward_tag(s), gradient_label(s + 1, s, mb)), t};
+      issued = true;
     }
   };
   auto take_receive = [&](int type, int s, int mb) -> at::Tensor {
     auto it = posted.find(std::make_tuple(type, s, mb));
-    TORCH_CHECK(it != posted.end(), kApi, ": internal error: no receive posted for stage ", s, " microbatch ", mb);
-    const auto t0 = Clock::now();
-    it->second.first.wait();
-    stats_.wait_seconds += seconds_since(t0);
+    TORCH_CHECK(it != posted.end(), kApi, "::step: internal error: no receive posted for stage ", s, " microbatch ", mb);
+    // Taken out first: a receive that fails is complete, the failure path does not wait for it again.
+    auto work = std::move(it->second.first);
     at::Tensor t = std::move(it->second.second);
     posted.erase(it);
+    const auto t0 = Clock::now();
+    work.wait();
+    stats_.wait_seconds += seconds_since(t0);
     stats_.recvs += 1;
     stats_.recv_bytes += static_cast<int64_t>(t.nbytes());
     return t;
@@ -357,7 +369,7 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
   auto receive_activation = [&](int s, int mb) -> at::Tensor {
     if (stage_at(s).rank_of(s - 1) == group_->rank()) {
       auto it = local_activations.find({s, mb});
-      TORCH_CHECK(it != local_activations.end(), kApi, ": internal error: no activation of stage ", s - 1,
+      TORCH_CHECK(it != local_activations.end(), kApi, "::step: internal error: no activation of stage ", s - 1,
                   " for microbatch ", mb);
       at::Tensor t = std::move(it->second);
       local_activations.erase(it);
@@ -373,7 +385,7 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
     if (stage_at(s).rank_of(s + 1) == group_->rank()) local_activations[{s + 1, mb}] = out.detach();
   };
   auto check_dims = [&](int s, const at::Tensor& out) {
-    TORCH_CHECK(out.dim() <= kMaxDims, kApi, ": ", stage_at(s).name(), " returned an output with ", out.dim(),
+    TORCH_CHECK(out.dim() <= kMaxDims, kApi, "::step: ", stage_at(s).name(), " returned an output with ", out.dim(),
                 " dimensions, more than the ", kMaxDims, " supported between stages");
   };
   // kSendShape: the shape and dtype of a forward's output, ahead of it.
@@ -395,7 +407,7 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
     const int s = ps.action.stage, mb = ps.action.microbatch, b = ps.boundary;
     if (ps.action.type == Action::Type::kBackward) {
       auto it = gradients_to_send.find({s, mb});
-      TORCH_CHECK(it != gradients_to_send.end(), kApi, ": internal error: no input gradient of ", to_string(ps.action));
+      TORCH_CHECK(it != gradients_to_send.end(), kApi, "::step: internal error: no input gradient of ", to_string(ps.action));
       send(it->second, ps.peer, backward_tag(b), gradient_label(s, b, mb));
       gradients_to_send.erase(it);
       return;
@@ -404,7 +416,7 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
     check_dims(s, out);
     TORCH_CHECK(boundary_shapes_[b].has_value() && out.sizes().vec() == *boundary_shapes_[b] &&
                     static_cast<int>(out.scalar_type()) == boundary_dtypes_[b],
-                kApi, ": ", stage_at(s).name(), " returned an output of shape ", shape_string(out.sizes()),
+                kApi, "::step: ", stage_at(s).name(), " returned an output of shape ", shape_string(out.sizes()),
                 " and dtype ", out.scalar_type(), " for microbatch ", mb, ", but the shape agreed with stage ", s + 1,
                 " for this step's input is ",
                 boundary_shapes_[b] ? shape_string(*boundary_shapes_[b]) : std::string("not known"), " with dtype ",
@@ -419,15 +431,17 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
     if (!stage.is_first() && at::isFloatingType(x.scalar_type())) x = x.detach().requires_grad_(true);
     const auto t0 = Clock::now();
     at::Tensor out = naming_failures(stage, "forward", mb, [&] { return stage.run_forward(x); });
-    TORCH_CHECK(out.defined(), kApi, ": ", stage.name(), " returned an undefined tensor for microbatch ", mb);
+    TORCH_CHECK(out.defined(), kApi, "::step: ", stage.name(), " returned an undefined tensor for microbatch ", mb);
     if (stage.is_last()) {
       at::Tensor loss =
           naming_failures(stage, "loss function", mb, [&] { return loss_fn_(out, target_chunks[mb]); });
-      TORCH_CHECK(loss.defined() && loss.numel() == 1, kApi, ": the loss function on ", stage.name(),
+      TORCH_CHECK(loss.defined() && loss.numel() == 1, kApi, "::step: the loss function on ", stage.name(),
                   " returned ", loss.defined() ? "a tensor of shape " + shape_string(loss.sizes()) : "an undefined tensor",
                   " for microbatch ", mb, "; expected a scalar");
       stage_losses[{s, mb}] = loss;
-      outputs[mb] = out.detach();
+      if (options_.keep_outputs()) outputs[mb] = out.detach();
+      held_output_bytes += static_cast<int64_t>(out.nbytes());
+      stats_.peak_output_bytes = std::max(stats_.peak_output_bytes, held_output_bytes);
       if (losses) {
         if (losses->size() < static_cast<size_t>(m)) losses->resize(m);
         (*losses)[mb] = loss.detach();
@@ -453,6 +467,8 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
     at::Tensor x = std::move(stage_inputs.at({s, mb}));
     stage_inputs.erase({s, mb});
     if (stage.is_last()) {
+      // Without keep_outputs, the output's last reference in the schedule goes with its backward.
+      if (!options_.keep_outputs()) held_output_bytes -= static_cast<int64_t>(out.nbytes());
       at::Tensor loss = std::move(stage_losses.at({s, mb}));
       stage_losses.erase({s, mb});
       const auto t0 = Clock::now();
@@ -489,28 +505,117 @@ at::Tensor PipelineSchedule::step(const at::Tensor& inputs, const at::Tensor& ta
     }
   };
 
-  for (const ProgramStep& ps : programs_[header_step ? 0 : 1]) {  // [Note: rank programs]
-    switch (ps.kind) {
-      case ProgramStep::Kind::kRecvShape: receive_shape(ps); break;
-      case ProgramStep::Kind::kPostRecv: post_receive(ps); break;
-      case ProgramStep::Kind::kRun:
-        if (ps.action.type == Action::Type::kForward) {
-          run_forward(ps.action.stage, ps.action.microbatch);
-        } else {
-          run_backward(ps.action.stage, ps.action.microbatch);
+  const std::vector<ProgramStep>& program = programs_[header_step ? 0 : 1];
+  const bool failure_messages = group_->supports_failure_messages();
+  size_t at_step = 0;
+  std::optional<std::string> own_error;  // what failed on this rank ([Note: pipeline step failures])
+  std::optional<std::string> learned;    // a failure a peer sent in place of a transfer
+  try {
+    for (; at_step < program.size(); ++at_step) {  // [Note: rank programs]
+      const ProgramStep& ps = program[at_step];
+      issued = false;
+      switch (ps.kind) {
+        case ProgramStep::Kind::kRecvShape: receive_shape(ps); break;
+        case ProgramStep::Kind::kPostRecv: post_receive(ps); break;
+        case ProgramStep::Kind::kRun:
+          if (ps.action.type == Action::Type::kForward) {
+            run_forward(ps.action.stage, ps.action.microbatch);
+          } else {
+            run_backward(ps.action.stage, ps.action.microbatch);
+          }
+          break;
+        case ProgramStep::Kind::kSendShape: send_shape(ps); break;
+        case ProgramStep::Kind::kSend: send_output(ps); break;
+      }
+    }
+    for (auto& [work, tensor] : sends) {
+      const auto t0 = Clock::now();
+      work.wait();
+      stats_.wait_seconds += seconds_since(t0);
+    }
+    sends.clear();
+  } catch (const comm::PeerFailedError& e) {
+    if (!failure_messages) throw;
+    learned = e.failure();
+  } catch (const c10::Error& e) {
+    if (!failure_messages) throw;  // NCCL: the peers end with the timeout (schedule.h)
+    own_error = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    if (!failure_messages) throw;
+    own_error = std::string(kApi) + "::step: " + e.what();
+  }
+  if (own_error || learned) {
+    // [Note: pipeline step failures]: every transfer this rank still owes its peers in this step
+    // becomes a failure, every receive it still expects is posted as a discarding receive, and
+    // everything in flight is waited for, so no transfer of this step outlives it.
+    const std::string failure = own_error ? *own_error : *learned;
+    std::vector<comm::PendingCollective> drained;
+    for (size_t j = at_step; j < program.size(); ++j) {
+      const ProgramStep& ps = program[j];
+      if (j == at_step && issued) continue;
+      const int b = ps.boundary;
+      const bool fwd = ps.action.type == Action::Type::kForward;
+      const std::string what = "failed step's " + to_string(ps);
+      switch (ps.kind) {
+        case ProgramStep::Kind::kRun: break;
+        case ProgramStep::Kind::kSendShape:
+          drained.push_back(group_->send_failure(failure, ps.peer, header_tag(b), what));
+          break;
+        case ProgramStep::Kind::kSend:
+          drained.push_back(group_->send_failure(failure, ps.peer, fwd ? forward_tag(b) : backward_tag(b), what));
+          break;
+        case ProgramStep::Kind::kRecvShape:
+          drained.push_back(group_->recv_discard(ps.peer, header_tag(b), what));
+          break;
+        case ProgramStep::Kind::kPostRecv:
+          if (!posted.count(std::make_tuple(fwd ? 0 : 1, ps.action.stage, ps.action.microbatch))) {
+            drained.push_back(group_->recv_discard(ps.peer, fwd ? forward_tag(b) : backward_tag(b), what));
+          }
+          break;
+      }
+    }
+    auto settle = [&](comm::PendingCollective& work) {
+      try {
+        work.wait();
+      } catch (const comm::PeerFailedError&) {
+        // A peer's failure in place of a transfer this rank no longer needs.
+      } catch (const std::exception& e) {
+        if (!own_error) own_error = std::string(kApi) + "::step: after " + failure + ": " + e.what();
+      }
+    };
+    for (auto& [key, receive] : posted) settle(receive.first);
+    for (auto& [work, tensor] : sends) settle(work);
+    for (auto& work : drained) settle(work);
+    posted.clear();
+    sends.clear();
+  }
+  if (failure_messages) {
+    // One exchange over the pipeline group: a failure that reached a rank through no transfer (the
+    // failing action was its rank's last one towards that peer) is learned here.
+    auto agreed = comm::agree_on_error({group_}, own_error, std::string(kApi) + "::step");
+    if (!agreed && learned) agreed = *learned;  // not reached: the sender of a failure found it
+    if (agreed) {
+      // Every rank of the group is here: the next step agrees the boundary shapes again (a
+      // failed step may have left them known on some ranks only).
+      agreed_input_shape_.clear();
+      for (PipelineStage* stage : stages_) {
+        for (FSDPModule unit : stage->fsdp_units()) {
+          unit.set_requires_gradient_sync(true);
+          unit.set_is_last_backward(true);
+          unit.zero_grad();  // the failed step's gradients and open iteration are abandoned
         }
-        break;
-      case ProgramStep::Kind::kSendShape: send_shape(ps); break;
-      case ProgramStep::Kind::kSend: send_output(ps); break;
+      }
+      stats_.step_seconds = seconds_since(step_start);
+      TORCH_CHECK(false, *agreed, ". Every rank of the pipeline group ends this step with this error: the "
+                  "transfers still owed were sent as failures and the receives still expected were drained, "
+                  "so nothing of the step is in flight and the next step runs normally. The fully_shard units "
+                  "of the stages (PipelineStage::set_fsdp_units) discarded the step's gradients "
+                  "(FSDPModule::zero_grad); other parameters keep what the microbatches that ran accumulated");
     }
   }
-  for (auto& [work, tensor] : sends) {
-    const auto t0 = Clock::now();
-    work.wait();
-    stats_.wait_seconds += seconds_since(t0);
-  }
   stats_.step_seconds = seconds_since(step_start);
-  if (!stages_.back()->is_last()) return {};
+  if (!stages_.back()->is_last() || !options_.keep_outputs()) return {};
+  for (const auto& o : outputs) stats_.output_bytes_kept += static_cast<int64_t>(o.nbytes());
   return at::cat(outputs, 0);
 }
 

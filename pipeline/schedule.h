@@ -39,9 +39,50 @@
 //
 // Transfers between two stages on one rank (interleaved schedules on one rank) pass the tensor
 // without communicating. Sends never block the sender; the step waits for them before returning.
-// A stage that throws ends the step on its rank with its error; the other ranks end within the
-// collective timeout with a report naming the transfer they waited for. The schedule is then
-// unusable (transfers may be in flight).
+//
+// [Note: pipeline step failures] A stage that throws (its forward, its backward, the loss function
+// on the last stage), or a transfer that fails, ends the step on every rank of the pipeline group
+// with the same c10::Error, within moments rather than the collective timeout:
+//   "fsdp::pipeline::PipelineSchedule::step: rank W: stage S of N (pipeline rank R) failed in the
+//    forward of microbatch M: <the stage's message>. Every rank of the pipeline group ends this
+//    step with this error: ..."
+// (W the failing rank's world rank; with several failing ranks, the lowest one's error, naming the
+// others: comm/agreement.h). How, on a backend with failure messages (MPI;
+// comm/point_to_point_failure.h): the rank's program ([Note: rank programs]) says exactly which
+// transfers it still owes each peer in this step and which receives it still expects. The failing
+// rank sends, in place of every transfer it still owes (shapes, activations, gradients), a failure
+// carrying its error; it posts every receive it still expects as a discarding receive (whatever
+// comes is dropped), and waits until all of them, its posted receives and its earlier sends
+// completed. A peer whose receive gets a failure does the same with that error, so the failure
+// travels along the pipeline in both directions, and every transfer of the step is matched on
+// both sides: nothing stays in flight, and the next step runs normally (it agrees the stage
+// boundaries' shapes again). Then, on every step, failed or not, one all-gather over the pipeline
+// group (comm::agree_on_error) agrees on the error, so a rank whose failing action owed no
+// transfer (e.g. the first stage's last backward) is heard too. The stages' fully_shard units
+// (PipelineStage::set_fsdp_units) then discard the step's gradients and open iteration
+// (FSDPModule::zero_grad, gradient sync and is_last_backward set back to true), so the next step
+// equals a run without the failed one; gradients of parameters outside units, accumulated by the
+// microbatches that ran, are the caller's to zero. Cost on success: that one all-gather per step.
+//
+// Limits: (1) Data-parallel replicas whose stages communicate over the data-parallel group
+// (fully_shard units with dp > 1): when every replica fails alike (the same stage and microbatch:
+// a loss that is NaN on every replica, a bad shape), every rank of the job throws that error (the
+// replicas' pipelines stop at the same program step, so their data-parallel collectives stay
+// matched). When only one replica fails, its pipeline ranks throw the error at once, but the
+// ranks of the other replicas wait in their next data-parallel collective with the failed
+// replica's ranks, which never issue it: they end with the collective timeout's report naming
+// that collective, and the watchdog aborts the job (a failed replica that catches the error and
+// communicates over the data-parallel group again instead gets the MPI backend's mismatch error
+// in that collective, as its peers do: [Note: MPI size check]). Telling them would need the
+// data-parallel collectives themselves to carry a failure (a failed rank joining its peers'
+// pending collective as a failure, which the size check could carry), not done. Replicas without
+// data-parallel communication inside the step are separate pipelines: the other replicas finish
+// their step normally and learn nothing (agree over the dp group before the optimizer step).
+// (2) A backend without failure messages (NCCL: no envelope to mark a message as a failure, see
+// comm/point_to_point_failure.h for what it would need): the step ends on the failing rank with its
+// error; the other ranks end within the collective timeout with a report naming the transfer they
+// waited for, and the schedule is unusable. (3) A rank that dies (killed) is not a failure: its
+// peers end with the collective timeout.
 
 #include <functional>
 #include <memory>
@@ -69,6 +110,12 @@ struct ScheduleOptions {
   /// true reduces in every microbatch's backward (sharded gradients only: m times the
   /// reduce-scatters).
   TORCH_ARG(bool, reduce_every_microbatch) = false;
+  /// Whether the last stage keeps every microbatch's output until the step returns them (true,
+  /// the default). false: each microbatch's output is released after its backward (with 1F1B
+  /// the last stage then holds one microbatch's output at a time instead of all of them), and
+  /// step() returns an undefined tensor on every rank; the losses are returned as before.
+  /// StepStats::peak_output_bytes and output_bytes_kept measure it. Need not agree across ranks.
+  TORCH_ARG(bool, keep_outputs) = true;
 };
 
 /// Counters of the last step on this rank.
@@ -79,6 +126,11 @@ struct StepStats {
   int64_t recvs = 0, recv_bytes = 0;
   int64_t local_transfers = 0;             // between two stages of this rank
   int64_t peak_live_microbatches = 0;      // most microbatches whose activations a stage held at once
+  // The last stage's outputs: the most bytes of them the schedule referenced at once (outputs
+  // awaiting their backward, plus the kept ones), and the bytes returned by step() (0 with
+  // keep_outputs(false), and on ranks without the last stage).
+  int64_t peak_output_bytes = 0;
+  int64_t output_bytes_kept = 0;
   double compute_seconds = 0.0;            // forwards and backwards (wall time inside them)
   double wait_seconds = 0.0;               // blocked on receives
   double step_seconds = 0.0;
@@ -96,7 +148,9 @@ class PipelineSchedule {
   /// One step (collective over the pipeline group): `inputs` on the rank of the first stage
   /// (ignored elsewhere), `targets` on the rank of the last (ignored elsewhere). Returns the last
   /// stage's outputs of every microbatch concatenated along dimension 0, detached (undefined on
-  /// other ranks). See the top of this file.
+  /// other ranks, and on every rank with keep_outputs(false)). A stage that throws fails the step
+  /// on every rank of the pipeline group with the same error ([Note: pipeline step failures]).
+  /// See the top of this file.
   at::Tensor step(const at::Tensor& inputs = {}, const at::Tensor& targets = {},
                   std::vector<at::Tensor>* losses = nullptr);
 
