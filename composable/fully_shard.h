@@ -131,7 +131,8 @@ class FSDPModule {
   /// different sums. Refused (c10::Error naming FSDPModule::zero_grad and the unit) inside a
   /// forward or a backward pass of the model and inside a SummonFullParams scope. A forward or
   /// backward that threw, and an iteration left open by set_is_last_backward(false), are
-  /// abandoned first (graphs of that iteration are refused afterwards). [Note: discarding
+  /// abandoned first (on several ranks, graphs of that iteration are refused afterwards; on one
+  /// rank every backward pass ends its iteration and a graph stays usable). [Note: discarding
   /// accumulated gradients] in fsdp/zero_grad.h.
   void zero_grad(bool set_to_none = true);
 

@@ -26,7 +26,8 @@
 // open by set_is_last_backward(false) ([Note: open iterations] in fsdp/open_iteration.h), are
 // abandoned first, as the next root forward would after a throw: collectives in flight waited for,
 // buffers freed, every unit resharded, and graphs of the abandoned iteration refused afterwards as
-// an earlier iteration's.
+// an earlier iteration's (one rank, every handle a passthrough: a backward pass that threw gets
+// its gradients back, and graphs stay usable as in local training).
 
 #include <string>
 
