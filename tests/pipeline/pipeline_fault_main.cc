@@ -1,10 +1,10 @@
 // A pipeline stage that fails mid-step (tests/pipeline/pipeline_fault_test.sh): 3 ranks, one
 // stage each, 1F1B over 2 microbatches. Steps 0 and 1 run everywhere; in step 2 stage 1 throws in
 // the forward of microbatch 1 ("throw"), returns an output of another shape than microbatch 0's
-// ("shape"), or its process is killed ("kill"). The throwing rank
-// prints its error (naming the stage and the microbatch) and then waits like a rank stuck
-// elsewhere would, so the other ranks' waits for its transfers must end with the communicator's
-// timeout report naming the transfer.
+// ("shape"), or its process is killed ("kill"). With "throw" and "shape" every rank gets the same
+// error ([Note: pipeline step failures] in pipeline/schedule.h), prints it and goes on: step 3
+// runs everywhere and the program exits 0. With "kill" the other ranks wait for the dead rank's
+// transfers until the communicator's timeout report names the transfer.
 //   pipeline_fault_main throw|shape|kill
 #include <csignal>
 #include <cstdio>
@@ -52,8 +52,6 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "rank %d: step %ld done\n", rank, static_cast<long>(step));
     } catch (const c10::Error& e) {
       std::fprintf(stderr, "rank %d: error: %s\n", rank, e.what_without_backtrace());
-      pp->barrier();  // the others are waiting for this rank's transfers: never completes
-      return 1;
     }
   }
   return 0;
