@@ -254,6 +254,9 @@ MpiBackend::MpiBackend(MPI_Comm comm, int rank, int size, Options options)
 }
 
 MpiBackend::~MpiBackend() {
+  // After MPI_Finalize (ours, or the program's own: an MPI application that finalises MPI while
+  // communicators the library caches until static destruction are alive) freeing is not allowed
+  // and not needed: MPI released them.
   if (!mpi::finalized()) {
     std::lock_guard<std::mutex> guard(mpi::mpi_lock());
     for (MPI_Comm* c : {&comm_, &check_comm_, &split_comm_, &envelope_comm_, &payload_comm_, &ack_comm_}) {

@@ -59,14 +59,21 @@ void finalize() {
 }
 
 void ensure_initialized() {
-  TORCH_CHECK(!g_finalized,
-              "fsdp comm: MPI was finalised already (by fsdp::comm::destroy_process_group() or at "
-              "exit), and MPI cannot be initialised again in the same process; keep one process "
+  TORCH_CHECK(!finalized(),
+              "fsdp comm: MPI was finalised already (by fsdp::comm::destroy_process_group(), at exit, or "
+              "by the program's own MPI_Finalize), and MPI cannot be initialised again in the same process; keep one process "
               "group for the life of the program, or call destroy_process_group() only at its end");
   std::call_once(g_init_once, initialize);
 }
 
-bool finalized() { return g_finalized; }
+bool finalized() {
+  if (g_finalized) return true;
+  // MPI_Finalized may be called at any time, before MPI_Init and after MPI_Finalize: it sees a
+  // program that finalised MPI itself (an MPI application embedding the library).
+  int done = 0;
+  MPI_Finalized(&done);
+  return done != 0;
+}
 
 std::mutex& mpi_lock() {
   static std::mutex* lock = new std::mutex();  // never destroyed: used from atexit handlers
@@ -93,11 +100,11 @@ void abort_job(const std::string& message, int exit_code) {
   int rank = -1;
   int initialized = 0;
   MPI_Initialized(&initialized);
-  if (initialized) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (initialized && !finalized()) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   std::fprintf(stderr, "[fsdp comm] rank %d: %s\n", rank, message.c_str());
   std::fflush(stderr);
   // No lock: another thread may hold it while blocked in MPI; MPI_Abort must still go through.
-  if (initialized && !g_finalized) MPI_Abort(MPI_COMM_WORLD, exit_code);
+  if (initialized && !finalized()) MPI_Abort(MPI_COMM_WORLD, exit_code);
   std::_Exit(exit_code);
 }
 

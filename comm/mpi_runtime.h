@@ -26,7 +26,9 @@ void ensure_initialized();
 /// this process can use MPI again. Called by fsdp::comm::destroy_process_group().
 void finalize();
 
-/// Whether MPI_Finalize has run (MPI handles must not be freed after it).
+/// Whether MPI_Finalize has run, ours (finalize(), destroy_process_group, at exit) or the
+/// program's own (MPI_Finalized): MPI handles must not be freed after it, and nothing of the
+/// library makes an MPI call then (an MpiBackend destroyed afterwards frees nothing).
 bool finalized();
 
 /// The lock held around every MPI call.
