@@ -14,6 +14,7 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
+#include "fsdp_cpp/comm/agreement.h"
 #include "fsdp_cpp/composable/fully_shard_internal.h"
 #include "fsdp_cpp/contract/module_state.h"
 #include "fsdp_cpp/contract/shape_text.h"
@@ -83,20 +84,6 @@ struct WorldGroups {
   void broadcast_over_tp_of_dp_rank0(at::Tensor& t) const {
     if (tp && dp_rank() == 0) tp->broadcast(t, 0, "state_dict").wait();
   }
-  // The first non-empty string of all ranks, "" when all are empty (the same on every rank).
-  std::string first_non_empty(const std::string& local) const {
-    auto pick = [](comm::Communicator& c, const std::string& mine) {
-      const auto all = c.all_gather_bytes(std::vector<uint8_t>(mine.begin(), mine.end()), "state_dict");
-      for (const auto& bytes : all) {
-        if (!bytes.empty()) return std::string(bytes.begin(), bytes.end());
-      }
-      return std::string();
-    };
-    std::string first = pick(*shard, local);
-    if (replicate) first = pick(*replicate, first);
-    if (tp) first = pick(*tp, first);
-    return first;
-  }
 };
 
 // This rank's piece of a global value (the value itself without tensor parallelism).
@@ -105,12 +92,20 @@ at::Tensor piece_of(const state_dict_detail::ExpectedValue& v, const at::Tensor&
   return v.tp->local_piece(value, v.tp->group->rank());
 }
 
-// Every rank learns whether any rank failed, and the first failing rank's message.
-std::string agree_on_error(const WorldGroups& world, const std::string& local_error) {
-  at::Tensor failed = at::full({1}, local_error.empty() ? 0 : 1, at::TensorOptions().dtype(at::kLong).device(world.device()));
-  world.all_reduce_max(failed);
-  if (failed.item<int64_t>() == 0) return {};
-  return world.first_non_empty(local_error);
+// Every rank learns whether any rank failed, and one failing rank's message (the lowest world
+// rank's, naming the others: comm::agree_on_error over the shard, replicate and tp groups, which
+// together span the world). Returns the message without the API and rank label agree_on_error
+// puts before it (the messages name their rank themselves), "" when no rank failed.
+std::string agreed_load_error(const WorldGroups& world, const std::string& local_error, const std::string& api) {
+  const auto agreed = comm::agree_on_error({world.shard, world.replicate, world.tp},
+                                           local_error.empty() ? std::nullopt : std::optional<std::string>(local_error),
+                                           api);
+  if (!agreed) return {};
+  // "<api>: <rank label>: <message>": the label ("rank R", "group rank R") holds no ": ".
+  const std::string prefix = api + ": ";
+  if (agreed->compare(0, prefix.size(), prefix) != 0) return *agreed;
+  const size_t label_end = agreed->find(": ", prefix.size());
+  return label_end == std::string::npos ? agreed->substr(prefix.size()) : agreed->substr(label_end + 2);
 }
 
 // An exact, position-sensitive checksum of a tensor's bytes (integer arithmetic: the same on
@@ -342,7 +337,7 @@ void load_full_groups(const FSDPModule& root, const std::string& api, const std:
     if (error.empty() && extra_check) error = extra_check(state);
     if (!error.empty()) error = "the state dict of rank " + std::to_string(world.world_rank()) + " is not loadable: " + error;
   }
-  const std::string agreed = agree_on_error(world, error);
+  const std::string agreed = agreed_load_error(world, error, api);
   TORCH_CHECK(agreed.empty(), api, ": ", agreed, ". Nothing was loaded on any rank");
 
   // 2. Every rank must have passed the same values.

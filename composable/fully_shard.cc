@@ -1,6 +1,7 @@
 #include "fsdp_cpp/composable/fully_shard.h"
 
 #include <algorithm>
+#include <numeric>
 #include <optional>
 #include <sstream>
 #include <unordered_set>
@@ -11,6 +12,8 @@
 #include <torch/nn/module.h>
 
 #include "fsdp_cpp/composable/api_names.h"
+#include "fsdp_cpp/composable/tensor_placement.h"
+#include "fsdp_cpp/comm/agreement.h"
 #include "fsdp_cpp/comm/init.h"
 #include "fsdp_cpp/comm/issuing_api.h"
 #include "fsdp_cpp/contract/contract.h"
@@ -160,6 +163,18 @@ bool has_unit_inside(const std::vector<torch::nn::Module*>& modules) {
   return false;
 }
 
+// Whether parallelize_module placed a parameter of `modules` over a group of several ranks (the
+// check of [Note: fully_shard over tensor-parallel groups] is then exchanged across ranks).
+bool has_tensor_parallel_params(const std::vector<torch::nn::Module*>& modules) {
+  for (torch::nn::Module* m : modules) {
+    for (const auto& p : m->parameters(/*recurse=*/true)) {
+      const auto placement = tensor_placement(p);
+      if (placement && placement->sharded() && placement->size() > 1) return true;
+    }
+  }
+  return false;
+}
+
 // Mixed precision computes, all-gathers and reduces in these dtypes (the FlatParamHandle would
 // refuse them only after the model was changed).
 void check_mixed_precision(const MixedPrecision& mp, const std::string& fqn) {
@@ -214,39 +229,33 @@ std::string collective_settings(const FullyShardOptions& options) {
   return settings;
 }
 
-// The ranks' outcomes of the checks over `comm`: "" when every rank passed, else the same error
-// on every rank (one rank's message when all refused alike, else one line per rank). `settings`
-// (collective_settings) must be the same on every rank: else that is the error, naming each rank's.
-std::string agreed_error(comm::Communicator& comm, const std::string& mine, const std::string& fqn,
-                         const std::string& settings) {
-  const std::string local = mine + '\x1f' + settings;
-  const auto all = comm.all_gather_bytes(std::vector<uint8_t>(local.begin(), local.end()), "fully_shard checks");
-  std::vector<std::string> errors, ranks_settings;
-  for (const auto& bytes : all) {
-    const std::string text(bytes.begin(), bytes.end());
-    const size_t cut = text.find('\x1f');
-    errors.push_back(text.substr(0, cut));
-    ranks_settings.push_back(cut == std::string::npos ? "" : text.substr(cut + 1));
-  }
-  const bool any = std::any_of(errors.begin(), errors.end(), [](const std::string& e) { return !e.empty(); });
-  if (!any) {
-    const bool same = std::all_of(ranks_settings.begin(), ranks_settings.end(),
-                                  [&](const std::string& x) { return x == ranks_settings[0]; });
-    if (same) return "";
+// The options that decide the unit's collectives (collective_settings), compared over `groups`
+// (each group of several ranks: one all_gather_bytes): "" when every rank of every group was given
+// the same, else an error listing each rank's. Every rank of a group finds the same difference;
+// comm::agree_on_error then spreads it across the groups.
+std::string settings_difference(const std::vector<std::shared_ptr<comm::Communicator>>& groups,
+                                const std::string& settings, const std::string& fqn) {
+  for (const auto& group : groups) {
+    if (!group || group->size() < 2) continue;
+    const auto all = group->all_gather_bytes(std::vector<uint8_t>(settings.begin(), settings.end()),
+                                             "fully_shard settings");
+    std::vector<std::string> ranks_settings;
+    for (const auto& bytes : all) ranks_settings.emplace_back(bytes.begin(), bytes.end());
+    if (std::all_of(ranks_settings.begin(), ranks_settings.end(),
+                    [&](const std::string& x) { return x == ranks_settings[0]; })) {
+      continue;
+    }
+    const auto world_ranks = group->world_ranks();
     std::ostringstream message;
     message << "fully_shard: module " << fqn << " was given options that differ across ranks (nothing was "
             << "changed on any rank); every rank must shard a unit alike:";
-    for (size_t r = 0; r < ranks_settings.size(); ++r) message << "\n  rank " << r << ": " << ranks_settings[r];
+    for (size_t r = 0; r < ranks_settings.size(); ++r) {
+      message << "\n  rank " << (world_ranks ? (*world_ranks)[r] : static_cast<int>(r)) << ": " << ranks_settings[r];
+    }
+    message << "\nGive every rank the same options for this unit.";
     return message.str();
   }
-  const bool same = std::all_of(errors.begin(), errors.end(), [&](const std::string& e) { return e == errors[0]; });
-  if (same) return errors[0];  // every rank refused alike (the usual case)
-  std::ostringstream message;
-  message << "fully_shard: module " << fqn << " was refused on some ranks (nothing was changed on any rank):";
-  for (size_t r = 0; r < errors.size(); ++r) {
-    message << "\n  rank " << r << ": " << (errors[r].empty() ? "(its checks passed)" : errors[r]);
-  }
-  return message.str();
+  return "";
 }
 
 // The phases of fully_shard, in order (each one a function below): check the modules, resolve the
@@ -363,6 +372,81 @@ UnitContents collect_contents(const std::vector<torch::nn::Module*>& modules, co
   return unit;
 }
 
+// [Note: fully_shard over tensor-parallel groups] A parameter that parallelize_module placed
+// (composable/tensor_placement.h) is this rank's piece of a global tensor; the ranks of its tp group
+// hold different pieces. fully_shard averages gradients over its communicator (and, with a mesh,
+// its replicate group): a group containing two ranks of one tp group would average different
+// pieces' gradients with each other and flatten them as if they were replicas, training a wrong
+// model with no error. Refused before anything changes, through the all-or-nothing exchange: the
+// unit is refused when a sharded placement's group shares two or more world ranks with one of
+// fully_shard's groups. The world ranks are Communicator::world_ranks(), or, for a communicator
+// made directly from a backend (which does not know them), those of the default process group when
+// it is the same backend. What cannot be proved is accepted: when either side's world ranks stay
+// unknown, the unit is refused only if fully_shard's group is the tp group itself (the same
+// communicator or backend). Replicated placements (a row-parallel bias) are whole on every tp rank
+// and not checked.
+std::optional<std::vector<int>> known_world_ranks(const std::shared_ptr<comm::Communicator>& group) {
+  if (!group) return std::nullopt;
+  if (auto ranks = group->world_ranks()) return ranks;
+  if (comm::is_initialized()) {
+    const auto& world = comm::default_process_group().comm;
+    if (world && world->backend().get() == group->backend().get()) {
+      if (auto ranks = world->world_ranks()) return ranks;
+      std::vector<int> all(world->size());
+      std::iota(all.begin(), all.end(), 0);
+      return all;
+    }
+  }
+  return std::nullopt;
+}
+
+std::string ranks_text(const std::vector<int>& ranks) {
+  std::string out = "{";
+  for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  return out + "}";
+}
+
+void check_tensor_parallel_groups(const UnitContents& unit, const FSDPConfig& config, const std::string& fqn) {
+  struct Group {
+    const char* name;
+    std::shared_ptr<comm::Communicator> comm;
+  };
+  const std::vector<Group> groups = {
+      {config.options.mesh() ? "its mesh's shard group" : "its communicator", config.comm},
+      {"its mesh's replicate group", config.replicate}};
+  for (const auto& p : unit.params) {
+    const auto placement = tensor_placement(p.param);
+    if (!placement || !placement->sharded() || !placement->group || placement->group->size() < 2) continue;
+    const auto& tp = placement->group;
+    for (const auto& g : groups) {
+      if (!g.comm || g.comm->size() < 2) continue;
+      const auto tp_ranks = known_world_ranks(tp);
+      const auto fsdp_ranks = known_world_ranks(g.comm);
+      std::vector<int> shared;
+      if (tp_ranks && fsdp_ranks) {
+        for (int r : *fsdp_ranks) {
+          if (std::find(tp_ranks->begin(), tp_ranks->end(), r) != tp_ranks->end()) shared.push_back(r);
+        }
+      } else if (g.comm == tp || g.comm->backend().get() == tp->backend().get()) {
+        shared.resize(2);  // the tp group itself: every rank of it
+      }
+      if (shared.size() < 2) continue;
+      auto text = [](const std::optional<std::vector<int>>& ranks) {
+        return ranks ? "world ranks " + ranks_text(*ranks) : std::string("world ranks unknown (the same group)");
+      };
+      TORCH_CHECK(false, "fully_shard: module ", fqn, " has parameter '", p.fqn, "' placed by tensor parallel (",
+                  placement->describe(), ", mesh dimension '", placement->mesh_dim, "': ", text(tp_ranks), "), but ",
+                  g.name, " (", text(fsdp_ranks), ") contains ",
+                  tp_ranks && fsdp_ranks ? std::to_string(shared.size()) + " ranks of that tp group " + ranks_text(shared)
+                                         : std::string("the ranks of that tp group"),
+                  ". Expected a data-parallel group with at most one rank of each tp group: fully_shard would "
+                  "average the gradients of different tensor-parallel pieces as if they were replicas and "
+                  "train a wrong model. Pass the data-parallel group: FullyShardOptions().communicator(mesh->group(\"dp\")) "
+                  "(or, for hybrid sharding, a mesh over the data-parallel dimensions only)");
+    }
+  }
+}
+
 // The checks of the contents that the later phases (and the FlatParamHandle constructor) would
 // otherwise fail only after the model was changed.
 void check_contents(const UnitContents& unit, const FSDPConfig& config, const std::string& fqn) {
@@ -379,6 +463,7 @@ void check_contents(const UnitContents& unit, const FSDPConfig& config, const st
   std::unordered_set<const void*> moving;
   for (const auto& move : unit.tied.moves) moving.insert(move.param);
   check_one_device_per_flat_param(unit.params, moving, fqn);
+  check_tensor_parallel_groups(unit, config, fqn);  // [Note: fully_shard over tensor-parallel groups]
   if (const auto& group = options.post_forward_group_size()) {
     const std::string error = post_forward_group_size_error(*group, config.comm->size());
     TORCH_CHECK(error.empty(), "fully_shard: module ", fqn, ": ", error);
@@ -391,20 +476,25 @@ void check_contents(const UnitContents& unit, const FSDPConfig& config, const st
 // (the tied-parameter moves, meta materialization, the sync broadcast, buffer casts and the
 // FlatParameters come after), including what only the FlatParamHandle constructor used to check
 // (floating-point mixed-precision dtypes, one device per FlatParameter). When this call
-// communicates (several ranks, and sync_module_states, a mesh, reshard_after_forward(int), or
-// units below whose tied parameters may move here), the ranks exchange the outcome of the checks
-// first, so a check that fails on some ranks only fails on every rank before any collective, with
-// the same error; and the options that decide the unit's collectives (collective_settings), so
-// ranks given different ones are refused alike. A rank that does not communicate cannot be
+// communicates (several ranks, and sync_module_states, a mesh, reshard_after_forward(int),
+// separate_reduce_communicator, units below whose tied parameters may move here, or parameters
+// placed by tensor parallel), the ranks first compare the options that decide the unit's
+// collectives (collective_settings), then agree on the outcome of the checks with
+// comm::throw_if_any_error over the shard and replicate groups ([Note: error agreement]), so a
+// check that fails on some ranks only fails on every rank before any collective, with the same
+// error ("fully_shard: rank R: ...", the lowest world rank's), and ranks given different options
+// are refused alike. A rank that does not communicate cannot be
 // compared here: on the MPI backend its next collective fails on every rank ([Note: MPI size
 // check]), on others the divergence check of the first iteration names it.
 UnitContents decide_unit(const std::vector<torch::nn::Module*>& modules, const FSDPConfig& config,
                          const std::string& fqn) {
   const FullyShardOptions& options = config.options;
-  const bool may_communicate = config.comm->size() > 1 && (options.sync_module_states() || options.mesh() ||
+  const bool several_ranks = config.comm->size() > 1 || (config.replicate && config.replicate->size() > 1);
+  const bool may_communicate = several_ranks && (options.sync_module_states() || options.mesh() ||
                                                            options.post_forward_group_size() ||
                                                            options.separate_reduce_communicator() ||
-                                                           has_unit_inside(modules));
+                                                           has_unit_inside(modules) ||
+                                                           has_tensor_parallel_params(modules));
   UnitContents unit;
   std::string refused;  // this rank's error, when may_communicate
   try {
@@ -415,15 +505,14 @@ UnitContents decide_unit(const std::vector<torch::nn::Module*>& modules, const F
     refused = error.what_without_backtrace();
   }
   if (may_communicate) {
-    // Both exchanges before any rank throws: with a mesh the sync broadcast also crosses the
-    // replicate groups.
-    const std::string settings = collective_settings(options);
-    std::string error = agreed_error(*config.comm, refused, fqn, settings);
-    if (config.replicate) {
-      std::string across = agreed_error(*config.replicate, error, fqn, settings);
-      if (!across.empty()) error = std::move(across);
-    }
-    TORCH_CHECK(error.empty(), error);
+    // [Note: error agreement] in comm/agreement.h, over the shard group and, with a mesh, the
+    // replicate group (the sync broadcast crosses both): every rank refuses with the same error
+    // (the lowest world rank's) or none does. A rank whose checks passed reports options that
+    // differ from its peers' instead.
+    const std::vector<std::shared_ptr<comm::Communicator>> groups = {config.comm, config.replicate};
+    std::string error = settings_difference(groups, collective_settings(options), fqn);
+    if (!refused.empty()) error = refused;
+    comm::throw_if_any_error(groups, error.empty() ? std::nullopt : std::optional<std::string>(error), "fully_shard");
   }
   return unit;
 }

@@ -12,6 +12,7 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
+#include "fsdp_cpp/comm/agreement.h"
 #include "fsdp_cpp/composable/fully_shard_internal.h"
 #include "fsdp_cpp/fsdp/root_context.h"
 #include "fsdp_cpp/fsdp/runtime.h"
@@ -214,25 +215,19 @@ void SummonFullParams::exit() { leave(/*by_exception=*/false); }
 
 // "\n  rank r: <problem>" for every rank of the scope's communicators that reported one, the same
 // string on every rank: one all_gather_bytes per distinct communicator, in unit order.
-std::string SummonFullParams::exchange_problems(const std::string& mine) const {
-  std::vector<comm::Communicator*> comms;
+std::string SummonFullParams::agree_on_problems(const std::string& mine) const {
+  // Over every communicator of the units ([Note: error agreement] in comm/agreement.h): every rank
+  // gets the same problem (the lowest rank's, naming the others), or none.
+  std::vector<std::shared_ptr<comm::Communicator>> comms;
   for (const Unit& u : units_) {
-    comm::Communicator* comm = u.state->config().comm.get();
+    const auto& comm = u.state->config().comm;
     if (comm->size() > 1 && std::find(comms.begin(), comms.end(), comm) == comms.end()) comms.push_back(comm);
   }
-  std::vector<std::string> lines;
-  auto add = [&](int rank, const std::string& problem) {
-    const std::string line = "\n  rank " + std::to_string(rank) + ": " + problem;
-    if (!problem.empty() && std::find(lines.begin(), lines.end(), line) == lines.end()) lines.push_back(line);
-  };
-  if (comms.empty()) add(0, mine);
-  for (comm::Communicator* comm : comms) {
-    const auto all = comm->all_gather_bytes(std::vector<uint8_t>(mine.begin(), mine.end()), "fsdp::SummonFullParams exit");
-    for (size_t r = 0; r < all.size(); ++r) add(static_cast<int>(r), std::string(all[r].begin(), all[r].end()));
-  }
-  std::string joined;
-  for (const auto& line : lines) joined += line;
-  return joined;
+  const auto agreed = comm::agree_on_error(comms, mine.empty() ? std::nullopt : std::optional<std::string>(mine), kApi);
+  if (!agreed) return "";
+  // "<kApi>: rank R: <problem>...": the message below names the API once.
+  const std::string prefix = std::string(kApi) + ": ";
+  return "\n  " + (agreed->compare(0, prefix.size(), prefix) == 0 ? agreed->substr(prefix.size()) : *agreed);
 }
 
 void SummonFullParams::leave(bool by_exception) {
@@ -264,14 +259,15 @@ void SummonFullParams::leave(bool by_exception) {
   // unsharded before the scope (all-gathers), is decided from what every rank reports (in-place
   // edits of a FlatParameter without sharding land in it directly and are not undone): with
   // writeback every rank leaving the scope (by an exception too: the destructor) exchanges its
-  // problem, so all of them write back, gather and fail alike. Without writeback leaving issues
+  // problem (comm::agree_on_error over the units' communicators: [Note: error agreement]), so all
+  // of them write back, gather and fail alike. Without writeback leaving issues
   // no collective at all. A rank whose exception skipped a collective the others still run inside
   // the scope cannot be matched by anything: the exchange then fails with the collective's error.
   std::string problems;
   std::exception_ptr exchange_failed;
   if (options_.writeback()) {
     try {
-      problems = exchange_problems(problem);
+      problems = agree_on_problems(problem);
     } catch (...) {
       exchange_failed = std::current_exception();
     }

@@ -124,7 +124,9 @@ class SummonFullParams {
   };
 
   void leave(bool by_exception);
-  std::string exchange_problems(const std::string& mine) const;
+  // comm::agree_on_error over the units' communicators: "" when no rank has a problem, else
+  // "\n  rank R: <problem>" (the same on every rank).
+  std::string agree_on_problems(const std::string& mine) const;
 
   SummonFullParamsOptions options_;
   std::string fqn_;  // the scope's unit

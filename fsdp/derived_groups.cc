@@ -1,6 +1,7 @@
 #include "fsdp_cpp/fsdp/derived_groups.h"
 
 #include <functional>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -26,24 +27,54 @@ std::string post_forward_group_size_error(int ranks, int size) {
 
 namespace {
 
-// The group of `comm` of `kind` (0: a duplicate; k >= 2: consecutive ranks), made by `make` the
-// first time (collectively), then shared.
-std::shared_ptr<comm::Communicator> derived_group(const std::shared_ptr<comm::Communicator>& comm, int kind,
-                                                  const std::function<std::shared_ptr<comm::Communicator>()>& make) {
+// The cache of derived groups: weak references, so a group lives as long as the units (their
+// FSDPConfig) holding it and is freed with the last of them, not at static destruction (a program
+// that finalises MPI itself destroys its model, and so these communicators, before MPI_Finalize).
+struct Cache {
   struct Entry {
     std::weak_ptr<comm::Communicator> parent;  // a new communicator at the same address is another key
-    std::shared_ptr<comm::Communicator> group;
+    std::weak_ptr<comm::Communicator> group;
   };
-  static std::mutex mutex;
-  static std::map<std::pair<const comm::Communicator*, int>, Entry> groups;
-  std::lock_guard<std::mutex> lock(mutex);
-  Entry& entry = groups[{comm.get(), kind}];
-  if (entry.group && entry.parent.lock() == comm) return entry.group;
-  entry = {comm, make()};
-  return entry.group;
+  std::mutex mutex;
+  std::map<std::pair<const comm::Communicator*, int>, Entry> groups;
+
+  // Drops the entries whose group or parent is gone (under `mutex`).
+  void prune() {
+    for (auto it = groups.begin(); it != groups.end();) {
+      it = it->second.group.expired() || it->second.parent.expired() ? groups.erase(it) : std::next(it);
+    }
+  }
+};
+
+Cache& cache() {
+  static Cache* instance = new Cache();  // never destroyed: holds no communicator
+  return *instance;
+}
+
+// The group of `comm` of `kind` (0: a duplicate; k >= 2: consecutive ranks), made by `make` the
+// first time (collectively), then shared while some unit holds it.
+std::shared_ptr<comm::Communicator> derived_group(const std::shared_ptr<comm::Communicator>& comm, int kind,
+                                                  const std::function<std::shared_ptr<comm::Communicator>()>& make) {
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.prune();
+  Cache::Entry& entry = c.groups[{comm.get(), kind}];
+  if (entry.parent.lock() == comm) {
+    if (auto group = entry.group.lock()) return group;
+  }
+  std::shared_ptr<comm::Communicator> group = make();
+  entry = {comm, group};
+  return group;
 }
 
 }  // namespace
+
+size_t cached_derived_groups() {
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.prune();
+  return c.groups.size();
+}
 
 std::shared_ptr<comm::Communicator> post_forward_group(const std::shared_ptr<comm::Communicator>& comm, int ranks) {
   TORCH_CHECK(comm != nullptr, "fully_shard: post_forward_group needs a communicator");

@@ -82,9 +82,11 @@ void explain_forward_error(const FSDPState& unit, c10::Error& error) {
     if (line.rfind(kExplainedMarker, 0) == 0) return;  // an inner unit explained it
   }
   std::unordered_map<const void*, std::string> fqns;
-  std::vector<std::string> units;
+  std::vector<std::string> not_run, resharded;  // units whose parameters are not in forward form
+  size_t resharded_count = 0;
+  constexpr size_t kMaxResharded = 4;
   for (const FSDPState* other : context->states()) {
-    if (other == &unit || ran_forward(*context, *other) || !unit_inside(unit, *other)) continue;
+    if (other == &unit || !unit_inside(unit, *other)) continue;
     // Parameters that are not in the form the unit's forward gives them (on one rank, in full
     // precision, sharded and unsharded parameters look alike and compute correctly).
     std::ostringstream params;
@@ -105,21 +107,42 @@ void explain_forward_error(const FSDPState& unit, c10::Error& error) {
     }
     if (count == 0) continue;
     if (count > 4) params << ", and " << count - 4 << " more";
-    units.push_back("unit " + unit_name(*other) + " (" + other->module().name() + "): " +
-                    params.str());
+    const std::string line = "unit " + unit_name(*other) + " (" + other->module().name() + "): " + params.str();
+    if (!ran_forward(*context, *other)) {
+      not_run.push_back(line);
+    } else if (resharded_count++ < kMaxResharded) {
+      // [Note: forward errors]: its forward ran through its hooks, then the unit was resharded; a
+      // method of it called directly afterwards computes on the sharded parameters.
+      resharded.push_back(line);
+    }
   }
-  if (units.empty()) return;
-  error.add_context(std::string(kExplainedMarker) + unit_name(unit) + ", " +
-                    std::to_string(units.size()) +
-                    " unit(s) inside it had not run their pre-forward in this iteration, so their "
-                    "parameters were not unsharded (expected shape, then what the module held):");
-  for (const auto& line : units) error.add_context("  " + line);
+  if (not_run.empty() && resharded.empty()) return;
+  if (!not_run.empty()) {
+    error.add_context(std::string(kExplainedMarker) + unit_name(unit) + ", " + std::to_string(not_run.size()) +
+                      " unit(s) inside it had not run their pre-forward in this iteration, so their "
+                      "parameters were not unsharded (expected shape, then what the module held):");
+    for (const auto& line : not_run) error.add_context("  " + line);
+  }
+  if (!resharded.empty()) {
+    // One explanation per error: the marker starts it once.
+    error.add_context((not_run.empty() ? std::string(kExplainedMarker) + unit_name(unit) + ", " : std::string("Also, ")) +
+                      std::to_string(resharded_count) + " unit(s) inside it had run their forward in this iteration and were resharded after it, so "
+                      "their parameters were sharded when the error was raised (expected shape, then what the "
+                      "module held):");
+    for (const auto& line : resharded) error.add_context("  " + line);
+    if (resharded_count > resharded.size()) {
+      error.add_context("  and " + std::to_string(resharded_count - resharded.size()) + " more unit(s)");
+    }
+  }
   error.add_context(
       "If the error comes from one of these modules (e.g. 'mat2 must be a matrix, got 1-D "
-      "tensor'), it was called around its forward hooks: call it through its hook-able holder "
+      "tensor'), it was called around its forward hooks: call its forward through its hook-able holder "
       "(`module(x)`, not `module->forward(x)`; declare its class with FSDP_HOOKABLE_MODULE instead "
       "of TORCH_MODULE), and hold it in fsdp::contract::Sequential or ModuleList rather than "
-      "torch::nn::Sequential, ModuleDict or AnyModule.");
+      "torch::nn::Sequential, ModuleDict or AnyModule. A method other than forward (e.g. "
+      "`block->generate(x)`) computes on the unit's sharded parameters when called directly: call it through "
+      "fsdp::contract::call_method(block, &BlockImpl::generate, x) (or call_with_hooks), which unshards the "
+      "unit around it, or unshard the unit first (FSDPModule::unshard(), reshard() after).");
 }
 
 }  // namespace fsdp

@@ -14,6 +14,20 @@
 // innermost unit the error crosses explains it; the units around it leave it as it is. Nothing is
 // communicated: every rank runs the same forward and throws at the same point.
 //
+// It also names the units inside that ran their forward in this iteration and were resharded
+// after it (their parameters again not in their forward form: 1-D views of this rank's shard, or
+// the empty placeholders of [Note: hidden parameters] in the first iteration), at most four of
+// them: a method other than forward called directly on such a unit (`block->generate(x)` instead
+// of fsdp::contract::call_method(block, &BlockImpl::generate, x)) computes on its sharded
+// parameters. The added context tells to call the method through call_method (or unshard()).
+// What is detected, exactly: an error (c10::Error) raised inside a unit's forward or hooked
+// method (call_method, call_with_hooks) while a unit inside it holds parameters not in their
+// forward form. Not detected: a computation that does not throw (after the first iteration a
+// shard may happen to have a shape an op accepts on some rank: the graph check of the first
+// iteration names those, [Note: sharded use guard]), and a method called with no hooked call of
+// any unit around it (`model->block->generate(x)` at the top level of a program): no library code
+// runs there, and LibTorch gives its own error (e.g. 'addmm: mat2 must be a matrix').
+//
 
 #include <vector>
 

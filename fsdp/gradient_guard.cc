@@ -144,9 +144,10 @@ void install_gradient_hooks(const RootContext& context, FirstIterationGuard& gua
       for (size_t i = 0; i < handle->params().size(); ++i) {
         const at::Tensor& p = handle->params()[i].param;
         const ManagedParam& info = params.at(p.unsafeGetTensorImpl());
-        torch::autograd::impl::add_hook(
-            p, std::make_unique<GradientGuardHook>(guard.findings, state, info,
-                                                   handle->is_sharded_strategy()));
+        // Appended after the hooks the user registered (Tensor::register_hook): impl::add_hook
+        // asserts that the parameter has none. Only ours are removed afterwards.
+        torch::autograd::impl::hooks(p).push_back(std::make_unique<GradientGuardHook>(
+            guard.findings, state, info, handle->is_sharded_strategy()));
       }
     }
   }

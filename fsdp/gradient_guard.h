@@ -20,6 +20,9 @@
 //  - at the end of that backward (a callback queued from the root's outputs, after the runtime's
 //    end-of-backward), the findings are exchanged and every rank fails with one error naming the
 //    parameters per rank. The hooks are then removed: later iterations pay nothing.
+// The guard's hooks are appended after any hook the user registered on a parameter
+// (param.register_hook(...) before the first iteration runs first, with the incoming gradient,
+// and keeps running afterwards); only the guard's own are removed.
 // The guard's state is kept in the contract's registry on the root's module (API
 // kFirstIterationGuardApi), so it dies with the model.
 

@@ -4,8 +4,9 @@
 // whenever the method calls it) and give the unsharded reference model's results, with and without
 // grad; afterwards every unit is resharded. A child unit's method called directly inside the
 // root's call, bypassing its hooks, fails in the first iteration with fully_shard's error naming
-// the unit and parameter on every rank; a child's method called outside its root's call is
-// refused. Activation checkpointing on a unit recomputes the unit's method in backward through
+// the unit and parameter on every rank, and so does a child's method called directly after the
+// child's forward resharded it (in later iterations too, on several ranks), pointing to
+// call_method; a child's method called outside its root's call is refused. Activation checkpointing on a unit recomputes the unit's method in backward through
 // call_method, and refuses to rerun call_with_hooks' callable. The example GPT's generate samples
 // the unsharded model's tokens.
 #include <memory>
@@ -85,6 +86,11 @@ struct ModelImpl : torch::nn::Module {
   }
   // The child's method called directly: its hooks do not run (unsupported; see the misuse test).
   at::Tensor project_bypassing(at::Tensor x) { return out(block->scaled(inp(x), 0.5)); }
+  // The child's forward through its hooks, then its method called directly on the resharded unit.
+  at::Tensor project_after_forward(at::Tensor x) {
+    const at::Tensor h = block(inp(x));
+    return out(block->scaled(h, 0.5));
+  }
 
   fsdp::contract::Linear inp{nullptr};
   Block block{nullptr};
@@ -142,6 +148,16 @@ void check_same(const at::Tensor& got, const at::Tensor& expected) {
   } else {
     CHECK(at::allclose(got, expected, 1e-5, 1e-6));
   }
+}
+
+// How many explanations fully_shard added to an error.
+size_t count_of_explanations(const std::string& message) {
+  size_t n = 0;
+  for (size_t at = message.find("fully_shard: while running unit"); at != std::string::npos;
+       at = message.find("fully_shard: while running unit", at + 1)) {
+    ++n;
+  }
+  return n;
 }
 
 // One SGD step on both models from the gradients of `loss` and `reference_loss` (every rank used
@@ -289,6 +305,47 @@ FSDP_RANKS_TEST_CASE("a child unit's method called around its hooks is named in 
     // Through call_method the model runs after the failed call.
     at::AutoGradMode mode(grad);
     check_same(call_method(p.model, &ModelImpl::project, x), p.reference->project(x));
+  }
+}
+
+FSDP_RANKS_TEST_CASE("a child unit's method called directly after the unit's forward names the unit and call_method",
+                     "[fully_shard][methods][misuse]") {
+  for (bool grad : {false, true}) {
+    INFO("grad " << grad);
+    Pair p = make_pair();
+    const at::Tensor x = input();
+    // The first iteration: after its forward the block's parameters are empty placeholders again,
+    // on every world size, so the direct call fails alike on every rank.
+    std::string message = error_of([&] {
+      at::AutoGradMode mode(grad);
+      call_method(p.model, &ModelImpl::project_after_forward, x);
+    });
+    CHECK_THAT(message, Contains("fully_shard: while running unit '<root>', 1 unit(s) inside it had run their "
+                                 "forward in this iteration and were resharded after it"));
+    CHECK_THAT(message, Contains("unit 'block' (") && Contains("'block.fc.weight' [8, 8] held as [0] Float"));
+    CHECK_THAT(message, Contains("fsdp::contract::call_method(block, &BlockImpl::generate, x)") &&
+                            Contains("FSDPModule::unshard()"));
+    CHECK(count_of_explanations(message) == 1);
+    CHECK(fsdp::testing::same_on_every_rank(message));
+    // Later iterations: the parameters are this rank's shard (1-D views) after the unit's forward.
+    for (int step = 0; step < 2; ++step) p.model(x).sum().backward();
+    message = error_of([&] {
+      at::AutoGradMode mode(grad);
+      call_method(p.model, &ModelImpl::project_after_forward, x);
+    });
+    if (world_size() == 1) {
+      // One rank: the sharded form is the full parameter; the call computes correctly.
+      CHECK(message == kNoError);
+    } else {
+      CHECK_THAT(message, Contains("1 unit(s) inside it had run their forward in this iteration and were resharded "
+                                   "after it") &&
+                              Contains("unit 'block' (") && Contains("'block.fc.weight' [8, 8] held as [") &&
+                              Contains("fsdp::contract::call_method"));
+    }
+    // Through call_method the model runs after the failed calls.
+    c10::NoGradGuard no_grad;
+    CHECK(call_method(p.model, &ModelImpl::project, x).sizes() == at::IntArrayRef({2, 3}));
+    CHECK(unsharded_bytes(*p.model) == 0);
   }
 }
 
