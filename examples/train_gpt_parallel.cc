@@ -25,14 +25,12 @@
 #include "fsdp_cpp/comm/init.h"
 #include "fsdp_cpp/examples/char_corpus.h"
 #include "fsdp_cpp/examples/gpt_model.h"
-#include "fsdp_cpp/examples/gpt_tensor_parallel.h"
+#include "fsdp_cpp/examples/gpt_model_spec.h"
 #include "fsdp_cpp/parallel/parallel_model.h"
 #include "fsdp_cpp/parallel/reference.h"
-#include "fsdp_cpp/pipeline/stage_split.h"
 
 namespace {
 
-using fsdp::examples::GPT;
 using fsdp::examples::GPTConfig;
 
 constexpr const char* kUsage = R"(usage: train_gpt_parallel [options]   (launched by tools/example.sh --dp/--tp/--pp ...)
@@ -137,22 +135,7 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
                                .tie_embeddings(false);  // embedding and head may live on different stages
   const uint64_t init_seed = f.seed + 1;
 
-  fsdp::parallel::ModelSpec spec;
-  spec.build = [config, init_seed](int stage, int n_stages) {
-    torch::manual_seed(init_seed);  // every stage is cut from the same whole model
-    GPT model(config);
-    if (n_stages > 1) {
-      const auto ranges = fsdp::pipeline::split_blocks_evenly(config.n_layers(), n_stages);
-      model->keep_stage(ranges[stage], stage == 0, stage == n_stages - 1);
-    }
-    return fsdp::parallel::ModelPart{model.ptr(), [model](const at::Tensor& x) mutable { return model(x); }};
-  };
-  spec.loss = fsdp::examples::next_token_loss;
-  spec.units = fsdp::WrapPolicy::module_types<fsdp::examples::BlockImpl>();
-  spec.tensor_parallel = [](fsdp::parallel::ModelPart& part, const std::shared_ptr<fsdp::comm::Communicator>& tp) {
-    GPT model(std::dynamic_pointer_cast<fsdp::examples::GPTImpl>(part.module));
-    return fsdp::parallel::LossFn(fsdp::examples::parallelize_gpt(model, tp));
-  };
+  const fsdp::parallel::ModelSpec spec = fsdp::examples::gpt_model_spec(config, init_seed);
   const auto options = fsdp::parallel::ParallelOptions()
                            .dims({.dp_replicate = f.dp_replicate, .dp_shard = f.dp, .tp = f.tp, .pp = f.pp})
                            .schedule(fsdp::pipeline::parse_schedule(f.schedule))

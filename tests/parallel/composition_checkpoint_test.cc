@@ -14,18 +14,15 @@
 
 #include "fsdp_cpp/checkpoint/state_dict.h"
 #include "fsdp_cpp/examples/gpt_model.h"
-#include "fsdp_cpp/examples/gpt_tensor_parallel.h"
+#include "fsdp_cpp/examples/gpt_model_spec.h"
 #include "fsdp_cpp/parallel/checkpoint.h"
 #include "fsdp_cpp/parallel/parallel_model.h"
 #include "fsdp_cpp/parallel/reference.h"
-#include "fsdp_cpp/pipeline/stage_split.h"
 #include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
 
-using fsdp::examples::GPT;
 using fsdp::examples::GPTConfig;
-using fsdp::parallel::ModelPart;
 using fsdp::parallel::ModelSpec;
 using fsdp::parallel::ParallelDims;
 using fsdp::parallel::ParallelOptions;
@@ -35,23 +32,7 @@ constexpr double kMaxNorm = 0.05;
 // No dropout: the two layouts cut the model into different stages, whose forward seeds differ.
 GPTConfig config() { return GPTConfig(24).context_length(8).d_model(48).n_heads(12).n_layers(4).tie_embeddings(false); }
 
-ModelSpec spec() {
-  ModelSpec spec;
-  spec.build = [](int s, int n) {
-    torch::manual_seed(21);
-    GPT g(config());
-    if (n > 1) g->keep_stage(fsdp::pipeline::split_blocks_evenly(config().n_layers(), n)[s], s == 0, s == n - 1);
-    return ModelPart{g.ptr(), [g](const at::Tensor& x) mutable { return g(x); }};
-  };
-  spec.loss = fsdp::examples::next_token_loss;
-  spec.units = fsdp::WrapPolicy::module_types<fsdp::examples::BlockImpl>();
-  spec.tensor_parallel = [](ModelPart& part, const std::shared_ptr<fsdp::comm::Communicator>& tp) {
-    GPT g(std::dynamic_pointer_cast<fsdp::examples::GPTImpl>(part.module));
-    fsdp::examples::parallelize_gpt(g, tp);
-    return fsdp::parallel::LossFn{};
-  };
-  return spec;
-}
+ModelSpec spec() { return fsdp::examples::gpt_model_spec(config(), /*init_seed=*/21); }
 
 fsdp::parallel::Batch batch_of(int64_t step, int q) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(500 * step + q);

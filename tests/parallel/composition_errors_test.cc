@@ -10,17 +10,14 @@
 #include <torch/torch.h>
 
 #include "fsdp_cpp/examples/gpt_model.h"
-#include "fsdp_cpp/examples/gpt_tensor_parallel.h"
+#include "fsdp_cpp/examples/gpt_model_spec.h"
 #include "fsdp_cpp/parallel/parallel_model.h"
-#include "fsdp_cpp/pipeline/stage_split.h"
 #include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
 
 using Catch::Matchers::Contains;
-using fsdp::examples::GPT;
 using fsdp::examples::GPTConfig;
-using fsdp::parallel::ModelPart;
 using fsdp::parallel::ModelSpec;
 using fsdp::parallel::ParallelDims;
 using fsdp::parallel::ParallelOptions;
@@ -28,23 +25,7 @@ using fsdp::testing::error_of;
 
 GPTConfig config() { return GPTConfig(24).context_length(8).d_model(24).n_heads(4).n_layers(4).tie_embeddings(false); }
 
-ModelSpec spec_of(GPTConfig c) {
-  ModelSpec spec;
-  spec.build = [c](int s, int n) {
-    torch::manual_seed(5);
-    GPT g(c);
-    if (n > 1) g->keep_stage(fsdp::pipeline::split_blocks_evenly(c.n_layers(), n)[s], s == 0, s == n - 1);
-    return ModelPart{g.ptr(), [g](const at::Tensor& x) mutable { return g(x); }};
-  };
-  spec.loss = fsdp::examples::next_token_loss;
-  spec.units = fsdp::WrapPolicy::module_types<fsdp::examples::BlockImpl>();
-  spec.tensor_parallel = [](ModelPart& part, const std::shared_ptr<fsdp::comm::Communicator>& tp) {
-    GPT g(std::dynamic_pointer_cast<fsdp::examples::GPTImpl>(part.module));
-    fsdp::examples::parallelize_gpt(g, tp);
-    return fsdp::parallel::LossFn{};
-  };
-  return spec;
-}
+ModelSpec spec_of(const GPTConfig& c) { return fsdp::examples::gpt_model_spec(c, /*init_seed=*/5); }
 
 std::pair<at::Tensor, at::Tensor> batch(int64_t key, int64_t rows) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(key);

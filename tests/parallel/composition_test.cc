@@ -22,18 +22,14 @@
 
 #include "fsdp_cpp/checkpoint/state_dict.h"
 #include "fsdp_cpp/examples/gpt_model.h"
-#include "fsdp_cpp/examples/gpt_tensor_parallel.h"
+#include "fsdp_cpp/examples/gpt_model_spec.h"
 #include "fsdp_cpp/parallel/parallel_model.h"
 #include "fsdp_cpp/parallel/reference.h"
-#include "fsdp_cpp/pipeline/stage_split.h"
 #include "fsdp_cpp/tests/testing/multi_rank.h"
 
 namespace {
 
-using fsdp::examples::GPT;
 using fsdp::examples::GPTConfig;
-using fsdp::examples::GPTImpl;
-using fsdp::parallel::ModelPart;
 using fsdp::parallel::ModelSpec;
 using fsdp::parallel::ParallelDims;
 
@@ -48,14 +44,6 @@ GPTConfig config() {
       false);
 }
 
-// Stage s of n of the GPT, built from a fixed seed (the whole model when n is 1).
-ModelPart build_part(int s, int n) {
-  torch::manual_seed(1234);
-  GPT g(config());
-  if (n > 1) g->keep_stage(fsdp::pipeline::split_blocks_evenly(config().n_layers(), n)[s], s == 0, s == n - 1);
-  return ModelPart{g.ptr(), [g](const at::Tensor& x) mutable { return g(x); }};
-}
-
 // A loss that throws in microbatch 1 of the step it is armed for (every rank alike): the step is
 // abandoned after microbatch 0's backward accumulated its gradients.
 struct ThrowingLoss {
@@ -67,15 +55,8 @@ struct ThrowingLoss {
 };
 
 ModelSpec gpt_spec(int64_t* armed) {
-  ModelSpec spec;
-  spec.build = build_part;
+  ModelSpec spec = fsdp::examples::gpt_model_spec(config(), /*init_seed=*/1234);
   spec.loss = ThrowingLoss{armed};
-  spec.units = fsdp::WrapPolicy::module_types<fsdp::examples::BlockImpl>();
-  spec.tensor_parallel = [](ModelPart& part, const std::shared_ptr<fsdp::comm::Communicator>& tp) {
-    GPT g(std::dynamic_pointer_cast<GPTImpl>(part.module));
-    fsdp::examples::parallelize_gpt(g, tp);
-    return fsdp::parallel::LossFn{};
-  };
   return spec;
 }
 
