@@ -221,7 +221,8 @@ std::string SummonFullParams::agree_on_problems(const std::string& mine) const {
   std::vector<std::shared_ptr<comm::Communicator>> comms;
   for (const Unit& u : units_) {
     const auto& comm = u.state->config().comm;
-    if (comm->size() > 1 && std::find(comms.begin(), comms.end(), comm) == comms.end()) comms.push_back(comm);
+    // Groups of one rank too: they communicate nothing but name this rank ("group rank 0").
+    if (std::find(comms.begin(), comms.end(), comm) == comms.end()) comms.push_back(comm);
   }
   const auto agreed = comm::agree_on_error(comms, mine.empty() ? std::nullopt : std::optional<std::string>(mine), kApi);
   if (!agreed) return "";
