@@ -34,6 +34,15 @@ struct ParallelModel::Impl {
   int n_stages = 1;
   std::vector<FSDPModule> roots;
   LossFn loss;
+  // [Note: token-weighted loss]: microbatches * data ranks / counted targets of the whole step.
+  std::optional<int64_t> ignore_index;
+  double token_scale = 1.0;
+  at::Tensor weighted_loss(const at::Tensor& out, const at::Tensor& y) const {
+    at::Tensor l = loss(out, y);
+    if (!ignore_index) return l;
+    if (token_scale == 0.0) return l.nan_to_num() * 0.0;
+    return l.nan_to_num() * (y != *ignore_index).sum().to(l.scalar_type()) * token_scale;
+  }
   std::vector<std::unique_ptr<pipeline::PipelineStage>> pipeline_stages;
   std::unique_ptr<pipeline::PipelineSchedule> schedule;
   int64_t step = 0;
@@ -165,6 +174,7 @@ ParallelModel parallelize(const std::shared_ptr<comm::Communicator>& world, cons
 
   // 3. Tensor parallel -> activation checkpointing -> fully_shard, on each part.
   impl->loss = spec.loss;
+  impl->ignore_index = spec.ignore_index;
   agree(world, attempt([&] {
           FullyShardOptions unit_options = options.fully_shard();
           if (d.dp_replicate > 1) {
@@ -212,7 +222,7 @@ ParallelModel parallelize(const std::shared_ptr<comm::Communicator>& world, cons
       impl->pipeline_stages.push_back(std::move(stage));
     }
     impl->schedule = std::make_unique<pipeline::PipelineSchedule>(
-        stage_ptrs, [self](const at::Tensor& out, const at::Tensor& y) { return self->loss(out, y); },
+        stage_ptrs, [self](const at::Tensor& out, const at::Tensor& y) { return self->weighted_loss(out, y); },
         pipeline::ScheduleOptions().kind(options.schedule()).n_microbatches(options.n_microbatches()));
   }
   return ParallelModel(std::move(impl));
@@ -253,7 +263,8 @@ at::Tensor ParallelModel::forward_backward(const at::Tensor& inputs, const at::T
          << (m.holds_last() ? shape_text(targets) : "-") << '\n'
          << mesh.data_rank() << '\n'
          << (check_data && m.holds_first() ? fingerprint(inputs) : 0) << '\n'
-         << (check_data && m.holds_last() ? fingerprint(targets) : 0);
+         << (check_data && m.holds_last() ? fingerprint(targets) : 0) << '\n'
+         << (m.ignore_index && m.holds_last() ? (targets != *m.ignore_index).sum().item<int64_t>() : 0);
   }
   const std::string text = mine.str();
   std::vector<std::string> all{text};
@@ -272,6 +283,7 @@ at::Tensor ParallelModel::forward_backward(const at::Tensor& inputs, const at::T
     std::string in, tg;
     int data_rank;
     std::string fin, ftg;
+    int64_t counted = 0;
   };
   std::vector<Given> given;
   for (const auto& t : all) {
@@ -283,7 +295,10 @@ at::Tensor ParallelModel::forward_backward(const at::Tensor& inputs, const at::T
     std::getline(in, dr);
     std::getline(in, g.fin);
     std::getline(in, g.ftg);
+    std::string counted;
+    std::getline(in, counted);
     g.data_rank = std::stoi(dr);
+    g.counted = std::stoll(counted);
     given.push_back(std::move(g));
   }
   std::optional<size_t> first_in, first_tg;
@@ -313,6 +328,17 @@ at::Tensor ParallelModel::forward_backward(const at::Tensor& inputs, const at::T
     }
   }
   m.inputs_checked = true;
+  if (m.ignore_index) {
+    // [Note: token-weighted loss] Each microbatch's mean loss l_j over its n_j counted targets is
+    // scaled by n_j * microbatches * data ranks / N (N: the step's counted targets over every data
+    // rank, each counted once: the ranks of a tp group hold the same targets). The pipeline (or
+    // the accumulation below) backpropagates the mean over microbatches and fully_shard averages
+    // over data ranks, so the gradient is that of sum_j n_j * l_j / N: the mean over the global
+    // batch's counted tokens, as transformers computes it on the whole batch.
+    int64_t counted = 0;
+    for (const auto& [data_rank, r] : tg_of_data_rank) counted += given[r].counted;
+    m.token_scale = counted == 0 ? 0.0 : static_cast<double>(mb) * mesh.data_world() / static_cast<double>(counted);
+  }
 
   if (m.schedule) {
     std::vector<at::Tensor> losses;
@@ -327,7 +353,7 @@ at::Tensor ParallelModel::forward_backward(const at::Tensor& inputs, const at::T
   for (int j = 0; j < mb; ++j) {
     root.set_requires_gradient_sync(j == mb - 1);
     seed_forward(m.options.seed(), m.step, mesh.data_rank(), j, /*stage=*/0);
-    at::Tensor loss = m.loss(m.parts.front().forward(xs[j]), ys[j]);
+    at::Tensor loss = m.weighted_loss(m.parts.front().forward(xs[j]), ys[j]);
     (loss / mb).backward();
     total = j == 0 ? loss.detach() : total + loss.detach();
   }

@@ -87,6 +87,12 @@ struct ModelSpec {
   /// The modules activation-checkpointed with ParallelOptions::checkpoint_activations (default:
   /// `units`).
   std::optional<WrapPolicy> checkpoint;
+  /// Set when `loss` is a mean over the targets that are not this id (label padding, e.g. -100):
+  /// each step then counts the targets that do count over the whole job (in the exchange that
+  /// starts it) and weights every microbatch's loss by its count, so that the gradients are those
+  /// of the mean over the global batch's counted tokens whatever their split over data ranks and
+  /// microbatches (torchtitan's global valid tokens). [Note: token-weighted loss].
+  std::optional<int64_t> ignore_index;
 };
 
 struct ParallelOptions {
@@ -122,7 +128,9 @@ class ParallelModel {
   /// ranks holding the first stage, `targets` on those holding the last (both everywhere without
   /// pipeline). Returns the mean loss over the microbatches on the ranks holding the last stage
   /// (undefined elsewhere). Collective over the job; see the top of this file for what it checks
-  /// first.
+  /// first. With ModelSpec::ignore_index the value returned is this data rank's share, weighted
+  /// so that global_loss() is the mean over the global batch's counted tokens ([Note:
+  /// token-weighted loss]); a step in which no target counts has no gradient and loss 0.
   at::Tensor forward_backward(const at::Tensor& inputs, const at::Tensor& targets);
   /// clip_grad_norm_ over every part, tp, dp and pipeline rank of the job: the whole model's norm.
   double clip_grad_norm_(double max_norm, double norm_type = 2.0);

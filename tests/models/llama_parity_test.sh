@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The C++ Llama against Hugging Face transformers (tests/models/hf_reference.py builds tiny random
+# models locally; nothing is downloaded), at layouts of 1-4 ranks: logits of the loaded model,
+# loss (label padding -100, uneven over data ranks) and every gradient of one step, every
+# parameter after 3 AdamW steps; each export loads in transformers with its parameters and
+# logits equal to transformers' own 3 steps. Grouped-query attention with fewer kv heads than tp
+# is refused on every rank.
+# usage: llama_parity_test.sh PARITY_MAIN PYTHON HF_REFERENCE_PY STEPS_SH
+set -u
+main="$1"; python="$2"; reference="$3"
+source "$4"
+
+untied="$work/untied"; tied="$work/tied"
+step "transformers: an untied Llama with llama3 rope scaling, GQA 4:2, vocabulary 101" \
+  "$python" "$reference" make "$untied" --model llama --rope llama3
+step "transformers: a tied Llama" "$python" "$reference" make "$tied" --model llama --tied
+
+# layout: ranks dp_replicate dp_shard tp pp microbatches loss_parallel vocab_multiple
+run_layout() {
+  local dir="$1" name="$2"; shift 2
+  local n="$1" out="$dir/out-$name"
+  mkdir -p "$out"
+  step "$(basename "$dir") at $name: loaded, one step, 3 AdamW steps equal to transformers" \
+    mpi "$n" "$main" "$dir/hf" "$dir/reference.safetensors" "$out" "${@:2}" &&
+  step "$(basename "$dir") at $name: its export loads in transformers, equal to transformers' training" \
+    "$python" "$reference" check "$dir" "$out/export" $( [ -f "$out/logits.safetensors" ] && echo "$out/logits.safetensors")
+}
+run_layout "$untied" "W=1"                     1 1 1 1 1 1 1 1
+run_layout "$untied" "dp=2 microbatches=2"     2 1 2 1 1 2 1 1
+run_layout "$untied" "tp=2 loss-parallel"      2 1 1 2 1 1 1 2
+run_layout "$untied" "tp=2 gathered logits"    2 1 1 2 1 1 0 2
+run_layout "$untied" "pp=2 1F1B"               2 1 1 1 2 2 1 1
+run_layout "$untied" "dp=3"                    3 1 3 1 1 1 1 1
+run_layout "$untied" "pp=3"                    3 1 1 1 3 3 1 1
+run_layout "$untied" "dp=2 tp=2"               4 1 2 2 1 1 1 4
+run_layout "$untied" "pp=2 dp=2"               4 1 2 1 2 2 1 1
+run_layout "$untied" "pp=2 tp=2"               4 1 1 2 2 2 1 2
+run_layout "$untied" "HSDP 2x2"                4 2 2 1 1 1 1 1
+run_layout "$tied"   "W=1"                     1 1 1 1 1 1 1 1
+run_layout "$tied"   "dp=2 tp=2"               4 1 2 2 1 1 1 2
+
+refused() {
+  local log="$work/refused.log"
+  if mpi 4 "$main" "$untied/hf" "$untied/reference.safetensors" "$work/refused" 1 1 4 1 1 1 4 > "$log" 2>&1; then
+    echo "tp=4 with 2 kv heads was accepted"; return 1
+  fi
+  local n; n=$(grep -c "num_key_value_heads (grouped-query attention splits whole key/value heads) (2) must be divisible by the tensor-parallel size 4" "$log")
+  echo "ranks that named the kv heads: $n"; [ "$n" -eq 4 ] || { cat "$log"; return 1; }
+}
+step "tp=4 with 2 kv heads: refused on every rank, naming num_key_value_heads" refused
+finish llama_parity_test
