@@ -222,11 +222,27 @@ struct Target {
   int64_t end = 0;
   // A tensor-parallel parameter: [begin, end) index this rank's piece of the global value `shape`.
   std::optional<TensorPiece> piece;
+  // A padded_rows value whose file has fewer rows than the model: the file's elements, a prefix of
+  // the flattened value (-1: the file has them all).
+  int64_t limit = -1;
 
-  // This rank's elements as contiguous runs of the (global) value in the file.
+  // This rank's elements as contiguous runs of the (global) value in the file: clipped to `limit`
+  // (the runs of padding rows dropped, a run straddling the file's end shortened).
   std::vector<GlobalRun> runs() const {
-    if (!piece) return end == begin ? std::vector<GlobalRun>{} : std::vector<GlobalRun>{{begin, 0, end - begin}};
-    return global_runs(LocalShard{local, shape, begin, true, piece});
+    std::vector<GlobalRun> all;
+    if (!piece) {
+      if (end > begin) all.push_back({begin, 0, end - begin});
+    } else {
+      all = global_runs(LocalShard{local, shape, begin, true, piece});
+    }
+    if (limit < 0) return all;
+    std::vector<GlobalRun> clipped;
+    for (GlobalRun run : all) {
+      if (run.global_begin >= limit) continue;
+      run.length = std::min(run.length, limit - run.global_begin);
+      clipped.push_back(run);
+    }
+    return clipped;
   }
   const FileTensor* source = nullptr;
 };
@@ -324,15 +340,38 @@ std::string match(std::vector<Target>& targets, const Sources& sources, const Lo
                   std::vector<std::string>& missing, std::vector<std::string>& unexpected) {
   std::vector<std::string> problems;
   std::unordered_set<std::string> known;
+  const std::unordered_set<std::string> padded(options.padded_rows().begin(), options.padded_rows().end());
   for (auto& t : targets) {
+    // Padded rows for every FQN of a tied parameter when one of them is listed.
+    const bool padded_rows =
+        std::any_of(t.fqns.begin(), t.fqns.end(), [&](const std::string& fqn) { return padded.count(fqn) > 0; });
     for (const auto& fqn : t.fqns) {
       known.insert(fqn);
       const FileTensor* f = sources.find(fqn);
       if (f == nullptr) continue;
       if (t.source == nullptr) t.source = f;
       if (f->shape != t.shape) {
-        problems.push_back("'" + fqn + "' has shape " + contract::shape_string(f->shape) + " in the file but " +
-                           contract::shape_string(t.shape) + " in the model");
+        // padded_rows: dim 0 may be shorter in the file, every other dimension equal.
+        const bool same_rank = !t.shape.empty() && f->shape.size() == t.shape.size();
+        const bool other_dims_equal =
+            same_rank && std::equal(f->shape.begin() + 1, f->shape.end(), t.shape.begin() + 1);
+        if (padded_rows && other_dims_equal && f->shape[0] < t.shape[0]) {
+          if (t.source == f) t.limit = f->numel();
+        } else {
+          std::string why;
+          if (padded_rows) {
+            if (t.shape.empty()) {
+              why = " (padded_rows: a 0-d value has no rows to pad)";
+            } else if (other_dims_equal) {
+              why = " (padded_rows: the file has more rows than the model)";
+            } else {
+              why = " (padded_rows: only dim 0 may differ, the file's being shorter; every other dimension must be "
+                    "equal)";
+            }
+          }
+          problems.push_back("'" + fqn + "' has shape " + contract::shape_string(f->shape) + " in the file but " +
+                             contract::shape_string(t.shape) + " in the model" + why);
+        }
       }
       if (!options.convert_dtype() && f->dtype != t.dtype) {
         problems.push_back("'" + fqn + "' has dtype " + std::string(c10::toString(f->dtype)) + " in the file but " +
@@ -344,6 +383,12 @@ std::string match(std::vector<Target>& targets, const Sources& sources, const Lo
   }
   for (const auto& f : sources.tensors) {
     if (!known.count(f.key)) unexpected.push_back(f.key);
+  }
+  for (const auto& fqn : options.padded_rows()) {
+    if (!known.count(fqn)) {
+      problems.push_back("'" + fqn + "' is in LoadPretrainedOptions::padded_rows but the model has no parameter or "
+                         "buffer of that name");
+    }
   }
   std::string message;
   auto add = [&](const std::string& part) { message += (message.empty() ? "" : "; ") + part; };
@@ -528,7 +573,7 @@ LoadPretrainedResult load_pretrained(torch::nn::Module& root, const std::string&
     c10::NoGradGuard no_grad;
     for (const auto& t : targets) {
       if (t.source == nullptr) continue;
-      if (t.end == t.begin) {
+      if (t.end == t.begin || t.runs().empty()) {  // (the latter: only padding rows here)
         result.stats.values_without_local_elements += 1;
         continue;
       }

@@ -37,10 +37,22 @@
 // has none of them (Hugging Face files usually store one FQN of tied weights); every one present
 // must have the right shape and dtype.
 //
+// A padded vocabulary: a model may keep an embedding or output layer with more rows than the file
+// (its vocabulary padded to a multiple of the tensor-parallel size, while a Hugging Face file holds
+// the real vocabulary). For the FQNs listed in `padded_rows` the file's tensor may have fewer rows
+// (dim 0) than the model's, every other dimension equal: the file's rows load into the model's
+// leading rows, and the rows beyond keep their values (a model keeps them at zero). Row-major, the
+// file's value is a prefix of the model's flattened value, so each rank reads its elements of that
+// prefix only (a fully_shard slice or a tensor-parallel piece may straddle its end, or hold only
+// padding: then it reads nothing of that value).
+//
+//   fsdp::load_pretrained(root, path, fsdp::LoadPretrainedOptions().padded_rows({"tok_emb.weight"}));
+//
 // Validation comes first, on every rank: files and headers, missing and unexpected keys (errors
-// unless `strict` is false, then listed in the result), shapes, dtypes (unless `convert_dtype`),
-// checksums of the bytes to read, and that no unit is unsharded (call it outside forward and
-// backward). The ranks agree on the outcome (a small all-reduce): if any rank failed, every rank
+// unless `strict` is false, then listed in the result), shapes (with `padded_rows`: a key the model
+// lacks, a file with more rows than the model, or another dimension differing), dtypes (unless
+// `convert_dtype`), checksums of the bytes to read, and that no unit is unsharded (call it outside
+// forward and backward). The ranks agree on the outcome (a small all-reduce): if any rank failed, every rank
 // throws the same c10::Error, naming the failing rank, and no shard changed. A read error after
 // that (a file changed under us) is also raised on every rank, saying the model is partly loaded.
 
@@ -71,6 +83,11 @@ struct LoadPretrainedOptions {
   /// Largest staging buffer for converting dtypes or copying to a GPU (bytes, file dtype). Must be
   /// positive.
   TORCH_ARG(int64_t, max_staging_bytes) = int64_t{16} << 20;
+  /// FQNs (of parameters or buffers; any FQN of a tied parameter) whose file tensor may have fewer
+  /// rows (dim 0) than the model's, every other dimension equal: the file's rows fill the model's
+  /// leading rows, the others keep their values (a padded vocabulary; see the top of this file).
+  /// Each must be a key of the model.
+  TORCH_ARG(std::vector<std::string>, padded_rows) = {};
 };
 
 /// What one rank read (each rank has its own numbers).
@@ -85,7 +102,8 @@ struct LoadPretrainedStats {
   /// Files opened, and pread calls issued for tensor data.
   int64_t files_opened = 0;
   int64_t read_calls = 0;
-  /// Values (FQNs) this rank wrote at least one element of, and those it holds none of.
+  /// Values (FQNs) this rank wrote at least one element of, and those it holds none of (with
+  /// `padded_rows`: also a value of which this rank holds only padding rows).
   int64_t values_loaded = 0;
   int64_t values_without_local_elements = 0;
 };

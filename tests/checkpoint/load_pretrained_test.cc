@@ -8,6 +8,12 @@
 // rank reads the whole model), mixed precision and CPU offload compute what a model sharded from
 // the loaded values computes, dtype conversion, and every error (missing / unexpected keys, shapes,
 // dtypes, a corrupt block, an unsharded unit) raised on every rank with the shards unchanged.
+// padded_rows: a file with the real vocabulary loaded into a model padded beyond it, on fully_shard
+// slices of uneven sizes (a slice straddling the file's end, a rank holding only padding), a .pt
+// file's strided view, and tensor-parallel pieces (RowwiseParallel embedding, ColwiseParallel
+// head) on every (dp, tp) mesh: the loaded rows equal the file, the padding rows keep their values,
+// no rank reads beyond the file's rows, and bad shapes or keys are refused on every rank.
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -21,6 +27,7 @@
 #include "fsdp_cpp/checkpoint/state_dict.h"
 #include "fsdp_cpp/comm/device_mesh.h"
 #include "fsdp_cpp/composable/fully_shard_internal.h"
+#include "fsdp_cpp/composable/tensor_parallel.h"
 #include "fsdp_cpp/storage/safetensors.h"
 #include "fsdp_cpp/tests/composable/parity.h"
 #include "fsdp_cpp/tests/composable/tied_models.h"
@@ -579,6 +586,231 @@ FSDP_RANKS_TEST_CASE("load_pretrained: a root that is not a unit", "[load_pretra
   // A tree without units is refused.
   LoadNet plain;
   CHECK_THAT(error_of([&] { fsdp::load_pretrained(*plain, path); }), Contains("has no fully_shard unit"));
+}
+
+// ---- padded_rows: a padded vocabulary ----
+
+/// emb [vocab, 5] -> mid Linear(5, 5) -> head Linear(5, vocab) (weight [vocab, 5], bias [vocab]).
+struct PaddedLmImpl : torch::nn::Module {
+  explicit PaddedLmImpl(int64_t vocab) {
+    emb = register_module("emb", fsdp::contract::Embedding(torch::nn::EmbeddingOptions(vocab, 5)));
+    mid = register_module("mid", fsdp::contract::Linear(5, 5));
+    head = register_module("head", fsdp::contract::Linear(5, vocab));
+  }
+  torch::Tensor forward(torch::Tensor ids) { return head(torch::tanh(mid(emb(ids)))); }
+  fsdp::contract::Embedding emb{nullptr};
+  fsdp::contract::Linear mid{nullptr}, head{nullptr};
+};
+FSDP_HOOKABLE_MODULE(PaddedLm);
+
+const std::vector<std::string> kPaddedKeys = {"emb.weight", "head.weight", "head.bias"};
+
+bool is_padded_key(const std::string& key) {
+  return std::find(kPaddedKeys.begin(), kPaddedKeys.end(), key) != kPaddedKeys.end();
+}
+
+// The file: a PaddedLm of the real vocabulary (seed 31, the same on every rank).
+Dict real_vocabulary_file(int64_t vocab) {
+  torch::manual_seed(31);
+  PaddedLm source(vocab);
+  return state_of(*source);
+}
+
+// What a model whose values were `before` holds after loading `file` with padded_rows: the file's
+// rows first, then its own padding rows.
+Dict after_padded_load(const Dict& before, const Dict& file) {
+  Dict out;
+  for (const auto& item : before) {
+    const at::Tensor& f = file[item.key()];
+    const int64_t rows = f.dim() == 0 ? 0 : f.size(0);
+    out.insert(item.key(), rows == item.value().size(0)
+                               ? f
+                               : at::cat({f, item.value().narrow(0, rows, item.value().size(0) - rows)}));
+  }
+  return out;
+}
+
+// Every rank's elements of the whole values (full_state_dict: TP pieces gathered) equal `expected`.
+void check_global(const fsdp::FSDPModule& root, const Dict& expected) {
+  const Dict full = fsdp::full_state_dict(root, fsdp::FullStateDictOptions().rank0_only(false));
+  REQUIRE(full.keys() == expected.keys());
+  for (const auto& item : full) {
+    INFO("key " << item.key());
+    CHECK(item.value().equal(expected[item.key()]));
+  }
+}
+
+FSDP_RANKS_TEST_CASE("load_pretrained: padded_rows loads the file's rows into a padded vocabulary (fully_shard)",
+                     "[load_pretrained][padded]") {
+  constexpr int64_t kVocab = 10;
+  const Dict file = real_vocabulary_file(kVocab);
+  int64_t file_bytes = 0;
+  for (const auto& item : file) file_bytes += nbytes(item.value());
+  for (Format format : {Format::kSafetensors, Format::kSafetensorsIndex, Format::kPt}) {
+    const std::string path = write_model("padded", file, format, /*crc_block=*/16);
+    // Unpadded (listed anyway), one row, two rows, and 16 rows: emb's 80 elements over 3 ranks are
+    // slices [0, 27), [27, 54), [54, 80) of which the file (50) fills the first, part of the second,
+    // none of the third; over 4 ranks [40, 60) straddles and [60, 80) is all padding.
+    for (int64_t padded : {kVocab, kVocab + 1, kVocab + 2, int64_t{16}}) {
+      INFO(name_of(format) << ", model vocabulary " << padded);
+      PaddedLm model(padded);
+      scramble(*model);  // the padding rows too: they must keep these values
+      const Dict before = state_of(*model);
+      auto emb = fsdp::fully_shard(model->emb, fsdp::FullyShardOptions().communicator(fresh_comm()));
+      auto head = fsdp::fully_shard(model->head, fsdp::FullyShardOptions().communicator(fresh_comm()));
+      auto root = fsdp::fully_shard(model, fsdp::FullyShardOptions().communicator(fresh_comm()));
+      const auto result =
+          fsdp::load_pretrained(root, path, fsdp::LoadPretrainedOptions().padded_rows(kPaddedKeys));
+      const Dict expected = after_padded_load(before, file);
+      check_loaded(root, expected);
+      for (const auto& key : kPaddedKeys) {
+        const at::Tensor value = fsdp::full_state_dict(root, fsdp::FullStateDictOptions().rank0_only(false))[key];
+        CHECK(value.narrow(0, 0, kVocab).equal(file[key]));
+        CHECK(value.narrow(0, kVocab, padded - kVocab).equal(before[key].narrow(0, kVocab, padded - kVocab)));
+      }
+      // This rank read its slices' elements within the file's rows, nothing of the padding; the
+      // ranks together read the file once.
+      int64_t expected_bytes = 0, holding_only_padding = 0;
+      for (const auto& [key, shard] : fsdp::sharded_state_dict(root)) {
+        const int64_t in_file = file[key].numel();
+        const int64_t mine = std::clamp<int64_t>(in_file - shard.flat_offset, 0, shard.local.numel());
+        expected_bytes += mine * 4;
+        holding_only_padding += shard.local.numel() > 0 && mine == 0 ? 1 : 0;
+      }
+      CHECK(result.stats.bytes_read == expected_bytes);
+      at::Tensor sum = at::full({1}, result.stats.bytes_read, at::kLong);
+      world().all_reduce(sum).wait();
+      CHECK(sum.item<int64_t>() == file_bytes);
+      CHECK(result.stats.values_loaded + result.stats.values_without_local_elements ==
+            static_cast<int64_t>(file.size()));
+      if (holding_only_padding > 0) CHECK(result.stats.values_without_local_elements >= holding_only_padding);
+      if (format == Format::kSafetensors) {
+        CHECK(result.stats.bytes_verified >= result.stats.bytes_read);
+        CHECK(result.stats.bytes_verified <= result.stats.bytes_read + 2 * 16 * result.stats.values_loaded);
+      }
+    }
+  }
+}
+
+// A .pt file of Python's torch.save whose `column` is a transposed view [3, 2] (read as the span of
+// its storage), into a model keeping 5 rows of it.
+struct PaddedPyDictImpl : torch::nn::Module {
+  PaddedPyDictImpl() {
+    weight = register_parameter("weight", at::zeros({3, 4}));
+    column = register_parameter("column", at::full({5, 2}, 7.0, at::kDouble));
+    register_buffer("half", at::zeros({5}, at::kHalf));
+    register_buffer("bf16", at::zeros({6}, at::kBFloat16));  // padded too (4 in the file)
+    register_buffer("steps", at::zeros({}, at::kLong));
+    register_buffer("mask", at::zeros({3}, at::kBool));
+  }
+  torch::Tensor forward(torch::Tensor x) { return x.matmul(weight); }
+  torch::Tensor weight, column;
+};
+FSDP_HOOKABLE_MODULE(PaddedPyDict);
+
+FSDP_RANKS_TEST_CASE("load_pretrained: padded_rows with a strided .pt view and a buffer", "[load_pretrained][padded]") {
+  PaddedPyDict model;
+  auto root = fsdp::fully_shard(model, fsdp::FullyShardOptions().communicator(fresh_comm()));
+  fsdp::load_pretrained(root, "tests/checkpoint/testdata/python_dict.pt",
+                        fsdp::LoadPretrainedOptions().padded_rows({"column", "bf16"}));
+  Dict expected;
+  expected.insert("weight", at::arange(12, at::kFloat).view({3, 4}) / 4);
+  expected.insert("column", at::cat({at::arange(6, at::kDouble).view({2, 3}).t(), at::full({2, 2}, 7.0, at::kDouble)}));
+  expected.insert("half", at::arange(5, at::kHalf) - 2);
+  expected.insert("bf16", at::cat({at::arange(4, at::kBFloat16) * 3, at::zeros({2}, at::kBFloat16)}));
+  expected.insert("steps", at::full({}, int64_t{7}, at::kLong));
+  expected.insert("mask", at::tensor({1, 0, 1}, at::kInt).to(at::kBool));
+  check_loaded(root, expected);
+}
+
+FSDP_RANKS_TEST_CASE("load_pretrained: padded_rows into tensor-parallel pieces on every (dp, tp) mesh",
+                     "[load_pretrained][padded][tp]") {
+  // 7 real rows of 12: over tp = 2 the pieces are rows [0, 6), [6, 12) (the second straddles the
+  // file's end); tp = 3: [0, 4), [4, 8), [8, 12) (the last only padding); tp = 4: [6, 9) straddles
+  // and [9, 12) is only padding. fully_shard then slices each piece over dp.
+  constexpr int64_t kVocab = 7, kPadded = 12;
+  const Dict file = real_vocabulary_file(kVocab);
+  int64_t padded_file_bytes = 0;
+  for (const auto& key : kPaddedKeys) padded_file_bytes += nbytes(file[key]);
+  for (Format format : {Format::kSafetensors, Format::kPt}) {
+    const std::string path = write_model("padded_tp", file, format, /*crc_block=*/16);
+    for (int tp = 1; tp <= world_size(); ++tp) {
+      if (world_size() % tp != 0) continue;
+      const int dp = world_size() / tp;
+      INFO(name_of(format) << ", mesh (dp=" << dp << ", tp=" << tp << ")");
+      auto mesh = fsdp::comm::DeviceMesh::create(world(), {dp, tp}, {"dp", "tp"});
+      PaddedLm model(kPadded);
+      scramble(*model);
+      const Dict before = state_of(*model);
+      fsdp::parallelize_module(*model, mesh->group("tp"),
+                               {{"emb", fsdp::RowwiseParallel().input_layout(fsdp::Layout::replicate())},
+                                {"head", fsdp::ColwiseParallel()}});
+      auto root = fsdp::fully_shard(model, fsdp::FullyShardOptions().communicator(mesh->group("dp")));
+      const auto result =
+          fsdp::load_pretrained(root, path, fsdp::LoadPretrainedOptions().padded_rows(kPaddedKeys));
+      check_global(root, after_padded_load(before, file));
+      // The pieces' file elements are read once over the world, mid (whole on each tp rank, sliced
+      // over dp) once per tp rank; no padding.
+      at::Tensor sum = at::full({1}, result.stats.bytes_read, at::kLong);
+      world().all_reduce(sum).wait();
+      const int64_t mid_bytes = nbytes(file["mid.weight"]) + nbytes(file["mid.bias"]);
+      CHECK(sum.item<int64_t>() == padded_file_bytes + tp * mid_bytes);
+      // A forward equals the unsharded model holding the same values (this rank's logit columns).
+      PaddedLm reference(kPadded);
+      copy_into(*reference, after_padded_load(before, file));
+      const at::Tensor ids = at::arange(kVocab).view({1, kVocab});
+      torch::NoGradGuard no_grad;
+      const at::Tensor logits = model(ids);  // Shard(-1): this rank's columns
+      const at::Tensor expected = reference(ids).narrow(-1, mesh->coordinate("tp") * (kPadded / tp), kPadded / tp);
+      CHECK(at::allclose(logits, expected, 1e-5, 1e-6));
+    }
+  }
+}
+
+FSDP_RANKS_TEST_CASE("load_pretrained: padded_rows refuses more rows, other dims and unknown keys on every rank",
+                     "[load_pretrained][padded]") {
+  constexpr int64_t kVocab = 10;
+  const Dict file = real_vocabulary_file(kVocab);
+  PaddedLm model(12);
+  scramble(*model);
+  auto root = fsdp::fully_shard(model, fsdp::FullyShardOptions().communicator(fresh_comm()));
+  const auto before = snapshot(root);
+  auto expect_error = [&](const std::string& path, const std::vector<std::string>& parts,
+                          const fsdp::LoadPretrainedOptions& options) {
+    const std::string error = error_of([&] { fsdp::load_pretrained(root, path, options); });
+    INFO(error);
+    CHECK_THAT(error, Contains("fsdp::load_pretrained") && Contains("rank ") && Contains("Nothing was loaded"));
+    for (const auto& part : parts) CHECK_THAT(error, Contains(part));
+    CHECK(same_on_every_rank(error));
+    CHECK(unchanged(root, before));
+  };
+  const auto padded = fsdp::LoadPretrainedOptions().padded_rows(kPaddedKeys);
+  const std::string good = write_model("padded_errors", file, Format::kSafetensors);
+  // Without padded_rows the shorter file is a shape error.
+  expect_error(good, {"'emb.weight' has shape [10, 5] in the file but [12, 5] in the model"}, {});
+  // A key the model does not have.
+  expect_error(good, {"'tok_emb.weight' is in LoadPretrainedOptions::padded_rows but the model has no parameter"},
+               fsdp::LoadPretrainedOptions().padded_rows({"emb.weight", "head.weight", "head.bias", "tok_emb.weight"}));
+  // More rows in the file than in the model.
+  Dict more = file;
+  more["head.weight"] = at::zeros({13, 5});
+  expect_error(write_model("padded_more", more, Format::kPt),
+               {"'head.weight' has shape [13, 5] in the file but [12, 5] in the model (padded_rows: the file has more "
+                "rows than the model)"},
+               padded);
+  // Another dimension differs.
+  Dict wider = file;
+  wider["emb.weight"] = at::zeros({10, 6});
+  expect_error(write_model("padded_wider", wider, Format::kSafetensorsIndex),
+               {"'emb.weight' has shape [10, 6] in the file but [12, 5] in the model (padded_rows: only dim 0 may "
+                "differ"},
+               padded);
+  // A key not in padded_rows keeps the exact shape check.
+  expect_error(good, {"'head.bias' has shape [10] in the file but [12] in the model"},
+               fsdp::LoadPretrainedOptions().padded_rows({"emb.weight", "head.weight"}));
+  // And the valid load goes through.
+  fsdp::load_pretrained(root, good, padded);
+  CHECK(!unchanged(root, before));
 }
 
 }  // namespace
