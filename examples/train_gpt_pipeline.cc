@@ -32,12 +32,16 @@
 #include "fsdp_cpp/composable/fully_shard_tree.h"
 #include "fsdp_cpp/composable/wrap_policy.h"
 #include "fsdp_cpp/examples/char_corpus.h"
+#include "fsdp_cpp/examples/flags.h"
 #include "fsdp_cpp/examples/gpt_model.h"
 #include "fsdp_cpp/examples/gpt_tensor_parallel.h"
 #include "fsdp_cpp/pipeline/schedule.h"
 #include "fsdp_cpp/pipeline/stage_split.h"
 
 namespace {
+
+using fsdp::examples::parse_double_flag;
+using fsdp::examples::parse_int_flag;
 
 using fsdp::examples::GPT;
 using fsdp::examples::GPTConfig;
@@ -66,20 +70,6 @@ struct Flags {
   uint64_t seed = 0;
 };
 
-int64_t parse_int(const std::string& name, const std::string& value, int64_t min) {
-  size_t used = 0;
-  int64_t v = 0;
-  try {
-    v = std::stoll(value, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != value.size() || value.empty() || v < min) {
-    throw std::invalid_argument(name + " expects an integer >= " + std::to_string(min) + " (got '" + value + "')");
-  }
-  return v;
-}
-
 Flags parse_flags(int argc, char** argv) {
   Flags f;
   for (int i = 1; i < argc; ++i) {
@@ -89,20 +79,20 @@ Flags parse_flags(int argc, char** argv) {
     if (name == "--checkpoint-activations") { f.checkpoint_activations = true; continue; }
     if (i + 1 >= argc) throw std::invalid_argument(name + " expects a value");
     const std::string value = argv[++i];
-    if (name == "--pp") f.pp = parse_int(name, value, 1);
-    else if (name == "--tp") f.tp = parse_int(name, value, 1);
-    else if (name == "--stages-per-rank") f.stages_per_rank = parse_int(name, value, 1);
-    else if (name == "--microbatches") f.microbatches = parse_int(name, value, 1);
+    if (name == "--pp") f.pp = parse_int_flag(name, value, 1);
+    else if (name == "--tp") f.tp = parse_int_flag(name, value, 1);
+    else if (name == "--stages-per-rank") f.stages_per_rank = parse_int_flag(name, value, 1);
+    else if (name == "--microbatches") f.microbatches = parse_int_flag(name, value, 1);
     else if (name == "--schedule") f.schedule = value;
-    else if (name == "--steps") f.steps = parse_int(name, value, 1);
-    else if (name == "--layers") f.layers = parse_int(name, value, 1);
-    else if (name == "--d-model") f.d_model = parse_int(name, value, 1);
-    else if (name == "--heads") f.heads = parse_int(name, value, 1);
-    else if (name == "--context") f.context = parse_int(name, value, 1);
-    else if (name == "--batch") f.batch = parse_int(name, value, 1);
-    else if (name == "--threads") f.threads = parse_int(name, value, 1);
-    else if (name == "--seed") f.seed = static_cast<uint64_t>(parse_int(name, value, 0));
-    else if (name == "--check-unsharded") f.check_unsharded = parse_int(name, value, 0) != 0;
+    else if (name == "--steps") f.steps = parse_int_flag(name, value, 1);
+    else if (name == "--layers") f.layers = parse_int_flag(name, value, 1);
+    else if (name == "--d-model") f.d_model = parse_int_flag(name, value, 1);
+    else if (name == "--heads") f.heads = parse_int_flag(name, value, 1);
+    else if (name == "--context") f.context = parse_int_flag(name, value, 1);
+    else if (name == "--batch") f.batch = parse_int_flag(name, value, 1);
+    else if (name == "--threads") f.threads = parse_int_flag(name, value, 1);
+    else if (name == "--seed") f.seed = static_cast<uint64_t>(parse_int_flag(name, value, 0));
+    else if (name == "--check-unsharded") f.check_unsharded = parse_int_flag(name, value, 0) != 0;
     else if (name == "--lr") {
       f.lr = std::stod(value);
       if (!(f.lr > 0)) throw std::invalid_argument("--lr expects a positive number (got '" + value + "')");

@@ -29,6 +29,12 @@ at::Tensor UnshardedReference::forward_backward(int64_t step, const std::vector<
   const int dp = static_cast<int>(global.size());
   TORCH_CHECK(dp >= 1, "fsdp::parallel::UnshardedReference::forward_backward: expected one batch per data rank, "
               "found none");
+  // [Note: token-weighted loss] with ModelSpec::ignore_index: each microbatch's mean weighted by
+  // its counted targets over those of the whole step.
+  double counted = 0;
+  if (spec_.ignore_index) {
+    for (const auto& b : global) counted += static_cast<double>((b.targets != *spec_.ignore_index).sum().item<int64_t>());
+  }
   at::Tensor total;
   for (int q = 0; q < dp; ++q) {
     const auto xs = global[q].inputs.chunk(m, 0), ys = global[q].targets.chunk(m, 0);
@@ -41,7 +47,11 @@ at::Tensor UnshardedReference::forward_backward(int64_t step, const std::vector<
         seed_forward(options_.seed(), step, q, j, static_cast<int64_t>(s));
         h = parts_[s].forward(h);
       }
-      const at::Tensor loss = spec_.loss(h, ys[j]);
+      at::Tensor loss = spec_.loss(h, ys[j]);
+      if (spec_.ignore_index) {
+        const double n = static_cast<double>((ys[j] != *spec_.ignore_index).sum().item<int64_t>());
+        loss = counted == 0 || n == 0 ? loss.nan_to_num() * 0.0 : loss * (n * m * dp / counted);
+      }
       (loss / (m * dp)).backward();
       total = total.defined() ? total + loss.detach() : loss.detach();
     }

@@ -41,6 +41,8 @@ class UnshardedReference {
   std::vector<at::Tensor> parameters() const;
   /// The gradients of the mean loss over data ranks and microbatches of step `step` (numbered as
   /// ParallelModel::steps() counts, from 1): `global[q]` is data rank q's batch. Returns that mean.
+  /// With ModelSpec::ignore_index, the mean over the step's counted targets instead ([Note:
+  /// token-weighted loss] in parallel/parallel_model.cc), as the job computes it.
   at::Tensor forward_backward(int64_t step, const std::vector<Batch>& global);
   /// torch::nn::utils::clip_grad_norm_ over every parameter.
   double clip_grad_norm_(double max_norm, double norm_type = 2.0);

@@ -18,12 +18,17 @@ step "transformers: a tied Llama" "$python" "$reference" make "$tied" --model ll
 # layout: ranks dp_replicate dp_shard tp pp microbatches loss_parallel vocab_multiple
 run_layout() {
   local dir="$1" name="$2"; shift 2
-  local n="$1" out="$dir/out-$name"
+  local n="$1" out="$dir/out-${name// /_}"
   mkdir -p "$out"
   step "$(basename "$dir") at $name: loaded, one step, 3 AdamW steps equal to transformers" \
     mpi "$n" "$main" "$dir/hf" "$dir/reference.safetensors" "$out" "${@:2}" &&
   step "$(basename "$dir") at $name: its export loads in transformers, equal to transformers' training" \
-    "$python" "$reference" check "$dir" "$out/export" $( [ -f "$out/logits.safetensors" ] && echo "$out/logits.safetensors")
+    check_export "$dir" "$out"
+}
+check_export() {
+  local extra=()
+  [ -f "$2/logits.safetensors" ] && extra=("$2/logits.safetensors")
+  "$python" "$reference" check "$1" "$2/export" "${extra[@]}"
 }
 run_layout "$untied" "W=1"                     1 1 1 1 1 1 1 1
 run_layout "$untied" "dp=2 microbatches=2"     2 1 2 1 1 2 1 1

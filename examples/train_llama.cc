@@ -1,0 +1,242 @@
+// train_llama: a Llama (models/llama.h) trained on a token file (data/token_dataset.h) through the
+// composition root (parallel/parallel_model.h) on any (dp_replicate, dp_shard, tp, pp) layout of
+// the MPI ranks, from scratch or from a Hugging Face folder, exported back to one at the end.
+// Prints the layout, a line per step (loss over the global batch's tokens, grad norm, tokens/s,
+// MFU against a stated peak) and at the end every step's loss next to the same training unsharded
+// on one process (parallel/reference.h), which it must match.
+//
+//   tools/example.sh --model llama                                  # 2 ranks, fully_shard
+//   tools/example.sh --model llama --np 4 --dp 2 --tp 2             # fully_shard x tensor parallel
+//   tools/example.sh --model llama --np 4 --pp 2 --dp 2             # pipeline x fully_shard
+//   tools/example.sh --model llama --hf-init /models/tiny-llama --export-hf /tmp/out
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <torch/optim/adamw.h>
+#include <torch/torch.h>
+
+#include "fsdp_cpp/checkpoint/full_state_dict_files.h"
+#include "fsdp_cpp/comm/init.h"
+#include "fsdp_cpp/data/token_dataset.h"
+#include "fsdp_cpp/examples/flags.h"
+#include "fsdp_cpp/models/hf_checkpoint.h"
+#include "fsdp_cpp/models/llama.h"
+#include "fsdp_cpp/models/llama_parallel.h"
+#include "fsdp_cpp/parallel/parallel_model.h"
+#include "fsdp_cpp/parallel/reference.h"
+
+namespace {
+
+using fsdp::examples::parse_double_flag;
+using fsdp::examples::parse_int_flag;
+
+constexpr const char* kUsage = R"(usage: train_llama [options]   (launched by tools/example.sh --model llama ...)
+  --data FILE            token file (default examples/data/corpus.tokens: corpus.txt, BPE vocabulary 512)
+  --hf-init DIR          start from a Hugging Face folder (config.json + safetensors); the model's
+                         shape flags are then ignored
+  --export-hf DIR        write the trained model as a Hugging Face folder at the end
+  --dp-replicate R --dp D --tp T --pp P   the layout (dp: ranks each replica is sharded over,
+                         default the ranks left)
+  --schedule S           gpipe, 1f1b or interleaved_1f1b (default 1f1b)
+  --microbatches M       microbatches per step (default: 2, or pp with a pipeline)
+  --checkpoint-activations   activation checkpointing on each decoder layer
+  --steps S --layers L --hidden H --heads N --kv-heads K --intermediate I --seq T --batch B (per data rank)
+  --lr X --clip X (0: off) --seed N --threads N
+  --peak-tflops X        the peak per rank that MFU is stated against (default 0.1: about what one core
+                         of this class of CPU does in float32; an H100's bf16 dense peak is 989)
+  --check-unsharded 0|1  train the unsharded model on one process too and compare (default 1)
+)";
+
+struct Flags {
+  std::string data = "examples/data/corpus.tokens", hf_init, export_hf, schedule = "1f1b";
+  int dp_replicate = 1, dp = -1, tp = 1, pp = 1, microbatches = 0;
+  bool checkpoint_activations = false, check_unsharded = true;
+  int64_t steps = 20, layers = 4, hidden = 64, heads = 4, kv_heads = 2, intermediate = 176, seq = 64, batch = 4,
+          threads = 1;
+  double lr = 3e-3, clip = 1.0, peak_tflops = 0.1;
+  uint64_t seed = 0;
+};
+
+Flags parse_flags(int argc, char** argv) {
+  Flags f;
+  for (int i = 1; i < argc; ++i) {
+    const std::string name = argv[i];
+    if (name == "--help" || name == "-h") throw std::invalid_argument("help");
+    if (name == "--checkpoint-activations") { f.checkpoint_activations = true; continue; }
+    if (i + 1 >= argc) throw std::invalid_argument(name + " expects a value");
+    const std::string value = argv[++i];
+    if (name == "--model") { if (value != "llama") throw std::invalid_argument("--model: this program trains llama"); }
+    else if (name == "--data") f.data = value;
+    else if (name == "--hf-init") f.hf_init = value;
+    else if (name == "--export-hf") f.export_hf = value;
+    else if (name == "--schedule") f.schedule = value;
+    else if (name == "--dp-replicate") f.dp_replicate = static_cast<int>(parse_int_flag(name, value, 1));
+    else if (name == "--dp") f.dp = static_cast<int>(parse_int_flag(name, value, 1));
+    else if (name == "--tp") f.tp = static_cast<int>(parse_int_flag(name, value, 1));
+    else if (name == "--pp") f.pp = static_cast<int>(parse_int_flag(name, value, 1));
+    else if (name == "--microbatches") f.microbatches = static_cast<int>(parse_int_flag(name, value, 1));
+    else if (name == "--steps") f.steps = parse_int_flag(name, value, 1);
+    else if (name == "--layers") f.layers = parse_int_flag(name, value, 1);
+    else if (name == "--hidden") f.hidden = parse_int_flag(name, value, 1);
+    else if (name == "--heads") f.heads = parse_int_flag(name, value, 1);
+    else if (name == "--kv-heads") f.kv_heads = parse_int_flag(name, value, 1);
+    else if (name == "--intermediate") f.intermediate = parse_int_flag(name, value, 1);
+    else if (name == "--seq") f.seq = parse_int_flag(name, value, 1);
+    else if (name == "--batch") f.batch = parse_int_flag(name, value, 1);
+    else if (name == "--threads") f.threads = parse_int_flag(name, value, 1);
+    else if (name == "--seed") f.seed = static_cast<uint64_t>(parse_int_flag(name, value, 0));
+    else if (name == "--lr") f.lr = parse_double_flag(name, value, 1e-12);
+    else if (name == "--clip") f.clip = parse_double_flag(name, value, 0.0);
+    else if (name == "--peak-tflops") f.peak_tflops = parse_double_flag(name, value, 1e-9);
+    else if (name == "--check-unsharded") f.check_unsharded = parse_int_flag(name, value, 0) != 0;
+    else throw std::invalid_argument("unknown argument '" + name + "'");
+  }
+  if (f.microbatches == 0) f.microbatches = f.pp > 1 ? f.pp : 2;
+  fsdp::pipeline::parse_schedule(f.schedule);  // a c10::Error naming the schedules
+  return f;
+}
+
+using Clock = std::chrono::steady_clock;
+
+fsdp::data::TokenDataset dataset(const std::shared_ptr<const fsdp::data::TokenFile>& file, const Flags& f,
+                                 int64_t data_rank, int64_t data_size) {
+  return fsdp::data::TokenDataset(
+      file, fsdp::data::TokenDatasetOptions(f.seq).seed(f.seed).data_rank(data_rank).data_size(data_size));
+}
+
+int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
+  const auto file = std::make_shared<const fsdp::data::TokenFile>(f.data);
+  // The vocabulary padded so that every tp up to 8 splits it evenly ([Note: padded vocabulary]).
+  const int64_t vocab_multiple = std::lcm<int64_t>(8, f.tp);
+  fsdp::models::LlamaConfig config =
+      f.hf_init.empty() ? fsdp::models::LlamaConfig(file->vocab_size())
+                              .hidden_size(f.hidden)
+                              .intermediate_size(f.intermediate)
+                              .num_hidden_layers(f.layers)
+                              .num_attention_heads(f.heads)
+                              .num_key_value_heads(f.kv_heads)
+                              .max_position_embeddings(std::max<int64_t>(f.seq, 2048))
+                              .rope(fsdp::models::RopeParameters{.rope_type = "llama3", .rope_theta = 500000.0,
+                                                                 .original_max_position_embeddings = 1024})
+                              .vocab_multiple(vocab_multiple)
+                        : fsdp::models::read_llama_config(f.hf_init, vocab_multiple);
+  TORCH_CHECK(file->vocab_size() <= config.vocab_size(), "train_llama: the token file '", f.data, "' has a vocabulary of ",
+              file->vocab_size(), " ids but the model's config has vocab_size ", config.vocab_size(),
+              (f.hf_init.empty() ? "" : " ('" + f.hf_init + "/config.json')"),
+              ": tokens of another tokenizer would index past the embedding");
+  const uint64_t init_seed = f.seed + 1;
+  const fsdp::parallel::ModelSpec spec = fsdp::models::llama_model_spec(config, init_seed);
+  const auto options = fsdp::parallel::ParallelOptions()
+                           .dims({.dp_replicate = f.dp_replicate, .dp_shard = f.dp, .tp = f.tp, .pp = f.pp})
+                           .schedule(fsdp::pipeline::parse_schedule(f.schedule))
+                           .n_microbatches(f.microbatches)
+                           .checkpoint_activations(f.checkpoint_activations)
+                           .seed(f.seed);
+  auto model = fsdp::parallel::parallelize(group.comm, spec, options);
+  if (!f.hf_init.empty()) fsdp::models::load_llama_hf(model, config, f.hf_init);
+  const auto& mesh = model.mesh();
+  const bool main_rank = group.comm->rank() == 0;
+  const int world = group.comm->size();
+  const double flops_per_token = config.training_flops_per_token(f.seq);
+  if (main_rank) {
+    std::printf("train_llama: %s\n", model.describe().c_str());
+    std::printf("model: Llama, %" PRId64 " layers, hidden %" PRId64 ", %" PRId64 " heads (%" PRId64
+                " kv), intermediate %" PRId64 ", vocabulary %" PRId64 " (padded to %" PRId64 "), %.2fM parameters%s\n"
+                "data: %s, %" PRId64 " tokens; batch %" PRId64 " x %" PRId64 " tokens per data rank, %d data ranks\n"
+                "MFU: %.3g GFLOP per token (6N + attention) against a stated peak of %.3g TFLOP/s per rank\n\n",
+                config.num_hidden_layers(), config.hidden_size(), config.num_attention_heads(), config.kv_heads(),
+                config.intermediate_size(), config.vocab_size(), config.padded_vocab_size(),
+                static_cast<double>(config.num_parameters()) / 1e6,
+                f.hf_init.empty() ? "" : (", from " + f.hf_init).c_str(), f.data.c_str(), file->num_tokens(), f.batch,
+                f.seq, mesh.data_world(), flops_per_token / 1e9, f.peak_tflops);
+    std::fflush(stdout);
+  }
+  // The optimizer and the data: by data rank, never by world rank.
+  torch::optim::AdamW optim(model.parameters(), torch::optim::AdamWOptions(f.lr).weight_decay(0.1));
+  auto data = dataset(file, f, mesh.data_rank(), mesh.data_world());
+  std::vector<double> losses;
+  for (int64_t step = 1; step <= f.steps; ++step) {
+    const auto b = data.next_batch(f.batch);
+    const auto t0 = Clock::now();
+    const at::Tensor loss = model.forward_backward(b.inputs, b.targets);
+    const double norm = f.clip > 0 ? model.clip_grad_norm_(f.clip) : 0.0;
+    optim.step();
+    model.zero_grad();
+    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    losses.push_back(model.global_loss(loss));
+    if (main_rank && (step == 1 || step % 5 == 0 || step == f.steps)) {
+      const double tokens_per_s = static_cast<double>(f.batch * f.seq * mesh.data_world()) / seconds;
+      const double mfu = flops_per_token * tokens_per_s / (world * f.peak_tflops * 1e12);
+      std::printf("step %3" PRId64 "  loss %.4f  grad norm %.4f  %.0f tokens/s (%.0f per rank)  MFU %.1f%%\n", step,
+                  losses.back(), norm, tokens_per_s, tokens_per_s / world, 100.0 * mfu);
+      std::fflush(stdout);
+    }
+  }
+  if (!f.export_hf.empty()) {
+    fsdp::models::export_llama_hf(model, config, f.export_hf);
+    if (main_rank) std::printf("\nexported to %s (transformers.AutoModelForCausalLM.from_pretrained loads it)\n", f.export_hf.c_str());
+  }
+  if (!f.check_unsharded || !main_rank) return 0;
+  // The same training, unsharded on this process: the same seeds, the same global batches.
+  fsdp::parallel::UnshardedReference reference(spec, options);
+  if (!f.hf_init.empty()) {
+    torch::NoGradGuard no_grad;
+    const auto weights = fsdp::load_safetensors(f.hf_init);
+    for (const auto& part : reference.parts()) {
+      for (auto& item : part.module->named_parameters()) {
+        const at::Tensor* w = weights.find(item.key());
+        TORCH_CHECK(w != nullptr, "train_llama: '", f.hf_init, "' has no '", item.key(), "'");
+        item.value().narrow(0, 0, w->size(0)).copy_(*w);  // the padding rows stay zero
+      }
+    }
+  }
+  torch::optim::AdamW ref_optim(reference.parameters(), torch::optim::AdamWOptions(f.lr).weight_decay(0.1));
+  std::vector<fsdp::data::TokenDataset> ref_data;
+  for (int q = 0; q < mesh.data_world(); ++q) ref_data.push_back(dataset(file, f, q, mesh.data_world()));
+  double worst = 0;
+  for (int64_t step = 1; step <= f.steps; ++step) {
+    std::vector<fsdp::parallel::Batch> global;
+    for (auto& d : ref_data) {
+      const auto b = d.next_batch(f.batch);
+      global.push_back({b.inputs, b.targets});
+    }
+    const double loss = reference.forward_backward(step, global).item<double>();
+    if (f.clip > 0) reference.clip_grad_norm_(f.clip);
+    ref_optim.step();
+    reference.zero_grad();
+    worst = std::max(worst, std::abs(loss - losses[step - 1]));
+  }
+  std::printf("\nfinal loss %.6f; the same training unsharded on one process (same seeds, same batches): largest "
+              "|difference| over the %" PRId64 " steps' losses %.2e: %s\n",
+              losses.back(), f.steps, worst, worst < 1e-3 ? "match" : "MISMATCH");
+  return worst < 1e-3 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f;
+  try {
+    f = parse_flags(argc, argv);
+  } catch (const std::exception& e) {
+    if (std::string(e.what()) != "help") std::fprintf(stderr, "train_llama: %s\n", e.what());
+    std::fputs(kUsage, stderr);
+    return 2;
+  }
+  at::set_num_threads(static_cast<int>(f.threads));
+  try {
+    const auto group = fsdp::comm::init_process_group();
+    return run(f, group);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_llama: %s\n", e.what());
+    return 1;
+  }
+}

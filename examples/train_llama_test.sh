@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The Llama example end to end: trained from scratch on the shipped token file at dp=2 and exported
+# as a Hugging Face folder, then started from that folder at (dp, tp) = (2, 2) and (pp, dp) =
+# (2, 2); every run's losses match the same training unsharded on one process.
+# usage: train_llama_test.sh TRAIN_LLAMA TOKEN_FILE STEPS_SH
+set -u
+main="$1"; tokens="$2"
+source "$3"
+export OMPI_MCA_rmaps_base_oversubscribe=1
+run() {
+  local log="$work/run.log"
+  mpi "$@" > "$log" 2>&1; local rc=$?
+  grep -E "^(step|final|exported|train_llama)" "$log"
+  [ $rc -eq 0 ] && grep -q "match$" "$log"
+}
+step "from scratch at dp=2, exported" run 2 "$main" --data "$tokens" --steps 10 --export-hf "$work/hf"
+step "the export has config.json and model.safetensors" test -s "$work/hf/config.json" -a -s "$work/hf/model.safetensors"
+step "from the export at (dp, tp) = (2, 2)" run 4 "$main" --data "$tokens" --steps 6 --dp 2 --tp 2 --hf-init "$work/hf"
+step "from the export at (pp, dp) = (2, 2)" run 4 "$main" --data "$tokens" --steps 6 --pp 2 --dp 2 --hf-init "$work/hf" \
+  --export-hf "$work/hf2"
+step "the pipelined export has an index and one file per stage" \
+  test -s "$work/hf2/model.safetensors.index.json" -a -s "$work/hf2/model-00002-of-00002.safetensors"
+refused() {
+  local log="$work/refused.log"
+  printf '{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}' > "$work/hf2/config.json"
+  if mpi 2 "$main" --data "$tokens" --steps 1 --hf-init "$work/hf2" > "$log" 2>&1; then echo "accepted"; return 1; fi
+  cat "$log" | head -3
+  [ "$(grep -c "key 'model_type' is \"gpt2\", expected \"llama\"" "$log")" -ge 1 ]
+}
+step "a folder of another architecture is refused, naming the key" refused
+finish train_llama_test
