@@ -27,59 +27,75 @@ ShardedStateDict sharded_state_dict(const FSDPModule& root) {
   return state;
 }
 
-torch::OrderedDict<std::string, at::Tensor> full_state_dict(const FSDPModule& root,
-                                                            const FullStateDictOptions& options) {
+void for_each_full_value(const FSDPModule& root, const FullValueSink& sink, const FullStateDictOptions& options) {
   const auto units = distinct_units_in_tree(root.module());
   // World rank 0 (with hybrid sharding, not the first rank of every shard group; with tensor
   // parallelism, rank 0 of the TP group too).
   const bool keep = !options.rank0_only() || writes_replicated(root);
-  std::unordered_map<const void*, at::Tensor> values;  // parameter -> full (global) value
+  // Every FQN of each parameter (a tied one has several), in named_parameters order.
+  std::unordered_map<const void*, std::vector<std::string>> fqns;
+  for (const auto& item : root.module().named_parameters()) fqns[item.value().unsafeGetTensorImpl()].push_back(item.key());
   c10::NoGradGuard no_grad;
+  auto emit = [&](const at::Tensor& param, at::Tensor full) {
+    if (!keep) return;
+    full = options.offload_to_cpu() ? full.cpu().clone() : full.clone();
+    for (const auto& fqn : fqns[param.unsafeGetTensorImpl()]) sink(fqn, full);
+  };
   // A tensor-parallel parameter's global value from this rank's piece: collective over its TP
   // group, so every rank gathers (the ranks of a TP group share the model, hence the order).
   auto global_of = [](const at::Tensor& param, const at::Tensor& piece) {
     const auto placement = tensor_placement(param);
     return placement && placement->sharded() ? gather_global(piece, *placement) : piece;
   };
+  std::unordered_set<const void*> done;
   for (const auto& unit : units) {
     for (const auto& h : unit->handles()) {
       // Full precision (the shards), even where the unsharded parameters are low-precision copies.
+      // One handle's full values at a time: they are freed before the next handle is gathered.
       const at::Tensor flat = h->gather_full_precision();
       for (size_t i = 0; i < h->params().size(); ++i) {
         const auto& e = h->layout().entries[i];
         const at::Tensor& param = h->params()[i].param;
-        at::Tensor full = global_of(param, flat.narrow(0, e.offset, e.numel).view(e.shape));
-        if (!keep) continue;
-        values[param.unsafeGetTensorImpl()] = options.offload_to_cpu() ? full.cpu().clone() : full.clone();
+        done.insert(param.unsafeGetTensorImpl());
+        emit(param, global_of(param, flat.narrow(0, e.offset, e.numel).view(e.shape)));
       }
     }
   }
-  // Tensor-parallel parameters in no unit, in named_parameters order (the same on every rank).
-  std::unordered_set<const void*> done;
-  for (const auto& unit : units) {
-    for (const auto& h : unit->handles()) {
-      for (const auto& info : h->params()) done.insert(info.param.unsafeGetTensorImpl());
-    }
-  }
+  // Parameters in no unit (tensor-parallel ones gathered over their group), in named_parameters
+  // order (the same on every rank), then the buffers.
   for (const auto& item : root.module().named_parameters()) {
-    if (!done.insert(item.value().unsafeGetTensorImpl()).second || !tensor_placement(item.value())) continue;
-    at::Tensor full = global_of(item.value(), item.value().detach());
-    if (keep) values[item.value().unsafeGetTensorImpl()] = full.clone();
+    if (!done.insert(item.value().unsafeGetTensorImpl()).second) continue;
+    emit(item.value(), global_of(item.value(), item.value().detach()));
   }
-  torch::OrderedDict<std::string, at::Tensor> state;
-  if (!keep) return state;
-  for (const auto& item : root.module().named_parameters()) {
-    const auto it = values.find(item.value().unsafeGetTensorImpl());
-    at::Tensor value = it != values.end() ? it->second : item.value().detach().clone();
-    state.insert(item.key(), options.offload_to_cpu() ? value.cpu() : value);
-  }
+  if (!keep) return;
   for (const auto& item : root.module().named_buffers()) {
     at::Tensor value = item.value().detach().clone();
-    state.insert(item.key(), options.offload_to_cpu() ? value.cpu() : value);
+    sink(item.key(), options.offload_to_cpu() ? value.cpu() : value);
   }
-  return state;
 }
 
+std::vector<FullValueSpec> full_value_specs(const FSDPModule& root) {
+  std::vector<FullValueSpec> specs;
+  for (const auto& p : parameter_placements(root)) {
+    const c10::ScalarType dtype = p.handle ? p.handle->local_shard().scalar_type() : p.param.scalar_type();
+    specs.push_back({p.fqn, dtype, p.global_shape});
+  }
+  for (const auto& item : root.module().named_buffers()) {
+    specs.push_back({item.key(), item.value().scalar_type(), item.value().sizes().vec()});
+  }
+  return specs;
+}
+
+torch::OrderedDict<std::string, at::Tensor> full_state_dict(const FSDPModule& root,
+                                                            const FullStateDictOptions& options) {
+  std::unordered_map<std::string, at::Tensor> values;
+  for_each_full_value(root, [&](const std::string& fqn, const at::Tensor& value) { values[fqn] = value; }, options);
+  torch::OrderedDict<std::string, at::Tensor> state;
+  if (values.empty()) return state;
+  for (const auto& item : root.module().named_parameters()) state.insert(item.key(), values.at(item.key()));
+  for (const auto& item : root.module().named_buffers()) state.insert(item.key(), values.at(item.key()));
+  return state;
+}
 
 void load_full_state_dict(const FSDPModule& root, const torch::OrderedDict<std::string, at::Tensor>& state,
                           const LoadFullStateDictOptions& options) {

@@ -32,6 +32,7 @@
 // checkpoint stores it under every FQN). A checkpoint therefore loads into the tied model, where
 // every key writes the same tensor, and into a model whose copies are not tied.
 
+#include <functional>
 #include <string>
 
 #include <c10/util/Exception.h>
@@ -71,6 +72,24 @@ struct LoadFullStateDictOptions {
   /// exact checksum of every value, two small all-reduces), naming the first differing key.
   TORCH_ARG(bool, check_ranks_agree) = true;
 };
+
+/// full_state_dict one value at a time, for writers that stream (models/hf_checkpoint.h): each
+/// unit is gathered in turn and `sink(fqn, value)` receives each of its parameters' full values (a
+/// tied parameter once per FQN, the same tensor) on the ranks full_state_dict would give them to,
+/// then the parameters in no unit, then the buffers; a value the sink does not keep is freed before
+/// the next unit is gathered. Memory beyond the shards: one unit's full parameters and one value.
+/// Collective as full_state_dict; the order is that of the units, not named_parameters'.
+using FullValueSink = std::function<void(const std::string& fqn, const at::Tensor& value)>;
+/// What full_state_dict and for_each_full_value give: each FQN (named_parameters, then
+/// named_buffers), its full (global) shape and the dtype of its value (a unit's full precision).
+/// Local: no communication.
+struct FullValueSpec {
+  std::string fqn;
+  c10::ScalarType dtype = c10::ScalarType::Float;
+  std::vector<int64_t> shape;
+};
+std::vector<FullValueSpec> full_value_specs(const FSDPModule& root);
+void for_each_full_value(const FSDPModule& root, const FullValueSink& sink, const FullStateDictOptions& options = {});
 
 /// Parameters (unsharded, in the parameters' dtype) and buffers of `root`'s module, by FQN, in
 /// named_parameters then named_buffers order. Collective: every rank calls it (one all-gather per

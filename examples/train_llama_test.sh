@@ -2,9 +2,10 @@
 # The Llama example end to end: trained from scratch on the shipped token file at dp=2 and exported
 # as a Hugging Face folder, then started from that folder at (dp, tp) = (2, 2) and (pp, dp) =
 # (2, 2); every run's losses match the same training unsharded on one process.
-# usage: train_llama_test.sh TRAIN_LLAMA TOKEN_FILE STEPS_SH
+# README's program (examples/llama_finetune.cc) fine-tunes the export at (dp, tp) = (2, 2).
+# usage: train_llama_test.sh TRAIN_LLAMA TOKEN_FILE STEPS_SH LLAMA_FINETUNE
 set -u
-main="$1"; tokens="$2"
+main="$1"; tokens="$2"; finetune="$4"
 source "$3"
 export OMPI_MCA_rmaps_base_oversubscribe=1
 run() {
@@ -20,6 +21,11 @@ step "from the export at (pp, dp) = (2, 2)" run 4 "$main" --data "$tokens" --ste
   --export-hf "$work/hf2"
 step "the pipelined export has an index and one file per stage" \
   test -s "$work/hf2/model.safetensors.index.json" -a -s "$work/hf2/model-00002-of-00002.safetensors"
+finetuned() {
+  mpi 4 "$finetune" "$work/hf" "$tokens" "$work/tuned" || return 1
+  test -s "$work/tuned/config.json" -a -s "$work/tuned/model.safetensors"
+}
+step "README's llama_finetune on the export at (dp, tp) = (2, 2)" finetuned
 refused() {
   local log="$work/refused.log"
   printf '{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}' > "$work/hf2/config.json"

@@ -5,7 +5,10 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <algorithm>
 #include <map>
+#include <memory>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -174,22 +177,43 @@ void export_hf_checkpoint(parallel::ParallelModel& model, const std::string& dir
   std::string written;  // "file\tkey\tbytes" lines
   error = attempt([&] {
     for (size_t c = 0; c < model.roots().size(); ++c) {
-      const auto sd = full_state_dict(model.roots()[c]);
-      if (sd.is_empty()) continue;
-      std::vector<storage::SafetensorsItem> items;
-      for (const auto& item : sd) {
-        at::Tensor t = item.value();
-        const bool padded = std::find(files.padded_rows.begin(), files.padded_rows.end(), item.key()) != files.padded_rows.end();
-        if (padded && t.size(0) > files.vocab_size) t = t.narrow(0, 0, files.vocab_size);
-        if (options.dtype() && t.is_floating_point()) t = t.to(*options.dtype());
-        items.push_back({item.key(), t.contiguous()});
+      // The file's entries, known on every rank before anything is gathered; the values stream
+      // in one unit at a time (for_each_full_value) and are written at their offsets as they come.
+      const auto& root = model.roots()[c];
+      auto padded = [&](const std::string& fqn) {
+        return std::find(files.padded_rows.begin(), files.padded_rows.end(), fqn) != files.padded_rows.end();
+      };
+      std::vector<storage::SafetensorsEntrySpec> specs;
+      for (auto& v : full_value_specs(root)) {
+        if (padded(v.fqn) && !v.shape.empty() && v.shape[0] > files.vocab_size) v.shape[0] = files.vocab_size;
+        if (options.dtype() && c10::isFloatingType(v.dtype)) v.dtype = *options.dtype();
+        specs.push_back({v.fqn, v.dtype, v.shape});
       }
       const std::string name = file_name(model.stages()[c]);
       const std::string tmp = dir + "/." + name + ".tmp";
-      storage::write_safetensors(tmp, items, {{"format", "pt"}});
+      std::unique_ptr<storage::SafetensorsWriter> writer;  // on the rank the values reach
+      std::optional<std::string> failed;  // the gathers go on (they are collectives) after a failure
+      for_each_full_value(root, [&](const std::string& fqn, const at::Tensor& value) {
+        if (failed) return;
+        failed = attempt([&] {
+          if (!writer) {
+            writer = std::make_unique<storage::SafetensorsWriter>(tmp, specs,
+                                                                  std::map<std::string, std::string>{{"format", "pt"}});
+          }
+          at::Tensor t = value;
+          if (padded(fqn) && t.size(0) > files.vocab_size) t = t.narrow(0, 0, files.vocab_size);
+          if (options.dtype() && t.is_floating_point()) t = t.to(*options.dtype());
+          writer->write(fqn, t);
+        });
+      });
+      TORCH_CHECK(!failed, *failed);
+      if (!writer) continue;
+      writer->finish();
       std::filesystem::rename(tmp, dir + "/" + name);
-      for (const auto& item : items) {
-        written += name + "\t" + item.key + "\t" + std::to_string(item.tensor.numel() * item.tensor.element_size()) + "\n";
+      for (const auto& spec : specs) {
+        int64_t numel = 1;
+        for (const int64_t d : spec.shape) numel *= d;
+        written += name + "\t" + spec.key + "\t" + std::to_string(numel * static_cast<int64_t>(c10::elementSize(spec.dtype))) + "\n";
       }
     }
   });

@@ -22,10 +22,13 @@
 // Export: `dir` receives config.json, model.safetensors (one pipeline stage) or one file per stage
 // model-0000s-of-0000n.safetensors with model.safetensors.index.json, every tensor in the model's
 // dtype or HfExportOptions::dtype, the vocabulary cut to its real rows. Each stage's file is
-// written by the rank holding that stage's dp and tp rank 0, from a full state dict gathered
-// one unit at a time into its host memory (that rank holds the stage's parameters once, in host
-// memory; the other ranks only their shards). Files are written under temporary names and renamed;
-// the index and config come last, so a folder with an index is complete. Collective over the job.
+// written by the rank holding that stage's dp and tp rank 0, streamed: its header is laid out from
+// the model's shapes first, then the units are gathered one at a time (for_each_full_value,
+// checkpoint/state_dict.h) and each value is written at its offset and freed
+// (storage::SafetensorsWriter), so no rank holds more than one unit's full parameters (what
+// training's all-gathers hold anyway) and one value. Files are written under temporary names and
+// renamed; the index and config come last, so a folder with an index is complete. Collective over
+// the job.
 
 #include <cstdint>
 #include <string>

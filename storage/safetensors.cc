@@ -30,6 +30,12 @@ constexpr const char* kMetadataKey = "__metadata__";
 // Largest header accepted (the Rust implementation's limit), so a corrupt length cannot make the
 // reader allocate gigabytes.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+// Deepest nesting of arrays and objects accepted in a header (serde_json's default recursion
+// limit, which the Rust implementation reads headers with; a valid header nests 3 deep). Deeper
+// headers are refused before parsing: nlohmann's ordered_json copies an object's members when it
+// grows (std::pair<const std::string, json> cannot be moved), and copying a value nested a
+// hundred thousand deep recursed until the stack overflowed (found by tools/fuzz).
+constexpr int kMaxHeaderNesting = 128;
 // Bytes handed to one write() call and checksummed just before it, so the data is still in cache.
 constexpr int64_t kWriteChunkBytes = int64_t{16} << 20;
 // Largest buffer verify() reads a checksum block into at once.
@@ -62,7 +68,8 @@ int64_t checked_numel(const std::vector<int64_t>& shape, bool* overflow) {
   return numel;
 }
 
-int64_t block_count(int64_t nbytes, int64_t block) { return nbytes == 0 ? 0 : (nbytes + block - 1) / block; }
+// Blocks of `block` bytes covering `nbytes` (without overflow: a header may declare any block size).
+int64_t block_count(int64_t nbytes, int64_t block) { return nbytes / block + (nbytes % block != 0 ? 1 : 0); }
 
 std::string hex8(uint32_t value) {
   char text[9];
@@ -119,7 +126,7 @@ class BlockCrc {
 
 // The header JSON text (padded with spaces so that 8 + its length is a multiple of 8).
 // `crcs[i]` are item i's block checksums, or empty placeholders of the right count.
-std::string header_text(const std::vector<SafetensorsItem>& items, const std::vector<int64_t>& offsets,
+std::string header_text(const std::vector<SafetensorsEntrySpec>& items, const std::vector<int64_t>& offsets,
                         const std::vector<std::vector<uint32_t>>& crcs,
                         const std::map<std::string, std::string>& metadata, int64_t crc_block_bytes,
                         const std::string& path) {
@@ -140,10 +147,9 @@ std::string header_text(const std::vector<SafetensorsItem>& items, const std::ve
     header[kMetadataKey] = std::move(meta);
   }
   for (size_t i = 0; i < items.size(); ++i) {
-    const auto& t = items[i].tensor;
     Json entry = Json::object();
-    entry["dtype"] = safetensors_dtype_name(t.scalar_type());
-    entry["shape"] = t.sizes().vec();
+    entry["dtype"] = safetensors_dtype_name(items[i].dtype);
+    entry["shape"] = items[i].shape;
     entry["data_offsets"] = {offsets[i], offsets[i + 1]};
     header[items[i].key] = std::move(entry);
   }
@@ -241,78 +247,134 @@ const SafetensorsEntry& SafetensorsHeader::at(const std::string& key) const {
   return *e;
 }
 
-void write_safetensors(const std::string& path, const std::vector<SafetensorsItem>& items,
-                       const std::map<std::string, std::string>& metadata, int64_t crc_block_bytes) {
-  TORCH_CHECK(crc_block_bytes >= 0, "write_safetensors: '", path, "': the checksum block size must be positive "
+struct SafetensorsWriter::Impl {
+  std::string path;
+  std::vector<SafetensorsEntrySpec> entries;
+  std::map<std::string, std::string> metadata;
+  int64_t crc_block_bytes;
+  std::map<std::string, size_t> index;
+  std::vector<int64_t> offsets{0};
+  std::vector<std::vector<uint32_t>> crcs;
+  std::vector<bool> written;
+  int64_t data_start = 0;
+  size_t header_size = 0;
+  std::unique_ptr<PartialFile> file;
+};
+
+SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<SafetensorsEntrySpec> entries,
+                                     std::map<std::string, std::string> metadata, int64_t crc_block_bytes)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.path = std::move(path);
+  m.entries = std::move(entries);
+  m.metadata = std::move(metadata);
+  m.crc_block_bytes = crc_block_bytes;
+  const std::string& p = m.path;
+  TORCH_CHECK(crc_block_bytes >= 0, "write_safetensors: '", p, "': the checksum block size must be positive "
               "(or 0 for no checksums), got ", crc_block_bytes);
   if (crc_block_bytes > 0) {
-    TORCH_CHECK(metadata.count(kCrcBlockKey) == 0 && metadata.count(kCrcKey) == 0, "write_safetensors: '", path,
+    TORCH_CHECK(m.metadata.count(kCrcBlockKey) == 0 && m.metadata.count(kCrcKey) == 0, "write_safetensors: '", p,
                 "': metadata keys '", kCrcBlockKey, "' and '", kCrcKey, "' are reserved for the checksums");
   }
-  std::set<std::string> keys;
-  std::vector<int64_t> offsets{0};
-  std::vector<std::vector<uint32_t>> crcs(items.size());
-  for (size_t i = 0; i < items.size(); ++i) {
-    const auto& item = items[i];
-    TORCH_CHECK(!item.key.empty() && item.key != kMetadataKey, "write_safetensors: '", path, "': invalid key '",
-                item.key, "'");
-    TORCH_CHECK(keys.insert(item.key).second, "write_safetensors: '", path, "': key '", item.key,
-                "' appears twice");
-    TORCH_CHECK(item.tensor.defined(), "write_safetensors: '", path, "': tensor '", item.key, "' is undefined");
-    TORCH_CHECK(item.tensor.layout() == c10::kStrided && !item.tensor.is_meta(), "write_safetensors: '", path,
-                "': tensor '", item.key, "' has no data to write (layout ", item.tensor.layout(), ", device ",
-                item.tensor.device(), "); a dense tensor with storage is expected");
-    safetensors_dtype_name(item.tensor.scalar_type());  // checks the dtype before any I/O
-    const int64_t nbytes = item.tensor.numel() * static_cast<int64_t>(item.tensor.element_size());
-    offsets.push_back(offsets.back() + nbytes);
-    if (crc_block_bytes > 0) crcs[i].assign(static_cast<size_t>(block_count(nbytes, crc_block_bytes)), 0);
+  m.crcs.resize(m.entries.size());
+  m.written.assign(m.entries.size(), false);
+  for (size_t i = 0; i < m.entries.size(); ++i) {
+    const auto& e = m.entries[i];
+    TORCH_CHECK(!e.key.empty() && e.key != kMetadataKey, "write_safetensors: '", p, "': invalid key '", e.key, "'");
+    TORCH_CHECK(m.index.emplace(e.key, i).second, "write_safetensors: '", p, "': key '", e.key, "' appears twice");
+    safetensors_dtype_name(e.dtype);  // checks the dtype before any I/O
+    int64_t numel = 1;
+    for (const int64_t d : e.shape) {
+      TORCH_CHECK(d >= 0, "write_safetensors: '", p, "': tensor '", e.key, "' has a negative dimension");
+      numel *= d;
+    }
+    const int64_t nbytes = numel * static_cast<int64_t>(c10::elementSize(e.dtype));
+    m.offsets.push_back(m.offsets.back() + nbytes);
+    if (crc_block_bytes > 0) m.crcs[i].assign(static_cast<size_t>(block_count(nbytes, crc_block_bytes)), 0);
   }
-
   // Placeholder checksums have the same width as the real ones: the header's length is final.
-  const std::string placeholder = header_text(items, offsets, crcs, metadata, crc_block_bytes, path);
-  const int64_t data_start = 8 + static_cast<int64_t>(placeholder.size());
-
+  const std::string placeholder = header_text(m.entries, m.offsets, m.crcs, m.metadata, crc_block_bytes, p);
+  m.header_size = placeholder.size();
+  m.data_start = 8 + static_cast<int64_t>(placeholder.size());
   int raw_fd;
   do {
-    raw_fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    raw_fd = ::open(p.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   } while (raw_fd < 0 && errno == EINTR);
-  TORCH_CHECK(raw_fd >= 0, "write_safetensors: cannot create '", path, "': ", error_text(errno));
-  PartialFile file(raw_fd, path);
+  TORCH_CHECK(raw_fd >= 0, "write_safetensors: cannot create '", p, "': ", error_text(errno));
+  m.file = std::make_unique<PartialFile>(raw_fd, p);
+}
 
-  for (size_t i = 0; i < items.size(); ++i) {
-    at::Tensor t = items[i].tensor;
-    if (!t.device().is_cpu()) t = t.to(c10::kCPU);
-    t = t.resolve_conj().resolve_neg().contiguous();  // no copy when already contiguous
-    const auto* bytes = static_cast<const unsigned char*>(t.const_data_ptr());
-    const int64_t nbytes = offsets[i + 1] - offsets[i];
-    BlockCrc crc(crc_block_bytes > 0 ? crc_block_bytes : 1);
-    // CRC-32C runs several times faster than copying into the page cache: inline, chunk by chunk.
-    for (int64_t done = 0; done < nbytes;) {
-      const int64_t chunk = std::min(kWriteChunkBytes, nbytes - done);
-      if (crc_block_bytes > 0) crc.update(bytes + done, chunk);
-      pwrite_all(file.fd(), bytes + done, chunk, data_start + offsets[i] + done, path);
-      // Start writing this chunk back to the disk now (asynchronously), so that the disk works
-      // while the next chunks are copied and the final fsync has little left to wait for.
-      ::sync_file_range(file.fd(), data_start + offsets[i] + done, chunk, SYNC_FILE_RANGE_WRITE);
-      done += chunk;
-    }
-    if (crc_block_bytes > 0) crcs[i] = crc.finish();
+SafetensorsWriter::~SafetensorsWriter() = default;
+
+void SafetensorsWriter::write(const std::string& key, const at::Tensor& tensor) {
+  Impl& m = *impl_;
+  const std::string& p = m.path;
+  TORCH_CHECK(m.file, "write_safetensors: '", p, "' is already finished");
+  const auto it = m.index.find(key);
+  TORCH_CHECK(it != m.index.end(), "write_safetensors: '", p, "': key '", key, "' is not one of the file's entries");
+  const size_t i = it->second;
+  TORCH_CHECK(!m.written[i], "write_safetensors: '", p, "': tensor '", key, "' is written twice");
+  TORCH_CHECK(tensor.defined(), "write_safetensors: '", p, "': tensor '", key, "' is undefined");
+  TORCH_CHECK(tensor.layout() == c10::kStrided && !tensor.is_meta(), "write_safetensors: '", p, "': tensor '", key,
+              "' has no data to write (layout ", tensor.layout(), ", device ", tensor.device(),
+              "); a dense tensor with storage is expected");
+  TORCH_CHECK(tensor.scalar_type() == m.entries[i].dtype && tensor.sizes().vec() == m.entries[i].shape,
+              "write_safetensors: '", p, "': tensor '", key, "' is ", tensor.scalar_type(), " ", tensor.sizes(),
+              ", the header says ", m.entries[i].dtype, " ", c10::IntArrayRef(m.entries[i].shape));
+  at::Tensor t = tensor;
+  if (!t.device().is_cpu()) t = t.to(c10::kCPU);
+  t = t.resolve_conj().resolve_neg().contiguous();  // no copy when already contiguous
+  const auto* bytes = static_cast<const unsigned char*>(t.const_data_ptr());
+  const int64_t nbytes = m.offsets[i + 1] - m.offsets[i];
+  BlockCrc crc(m.crc_block_bytes > 0 ? m.crc_block_bytes : 1);
+  // CRC-32C runs several times faster than copying into the page cache: inline, chunk by chunk.
+  for (int64_t done = 0; done < nbytes;) {
+    const int64_t chunk = std::min(kWriteChunkBytes, nbytes - done);
+    if (m.crc_block_bytes > 0) crc.update(bytes + done, chunk);
+    pwrite_all(m.file->fd(), bytes + done, chunk, m.data_start + m.offsets[i] + done, p);
+    // Start writing this chunk back to the disk now (asynchronously), so that the disk works
+    // while the next chunks are copied and the final fsync has little left to wait for.
+    ::sync_file_range(m.file->fd(), m.data_start + m.offsets[i] + done, chunk, SYNC_FILE_RANGE_WRITE);
+    done += chunk;
   }
+  if (m.crc_block_bytes > 0) m.crcs[i] = crc.finish();
+  m.written[i] = true;
+}
 
-  const std::string text = header_text(items, offsets, crcs, metadata, crc_block_bytes, path);
-  TORCH_INTERNAL_ASSERT(text.size() == placeholder.size(), "write_safetensors: header of '", path,
-                        "' changed length from ", placeholder.size(), " to ", text.size());
+void SafetensorsWriter::finish() {
+  Impl& m = *impl_;
+  const std::string& p = m.path;
+  TORCH_CHECK(m.file, "write_safetensors: '", p, "' is already finished");
+  for (size_t i = 0; i < m.entries.size(); ++i) {
+    TORCH_CHECK(m.written[i], "write_safetensors: '", p, "': tensor '", m.entries[i].key, "' was never written");
+  }
+  const std::string text = header_text(m.entries, m.offsets, m.crcs, m.metadata, m.crc_block_bytes, p);
+  TORCH_INTERNAL_ASSERT(text.size() == m.header_size, "write_safetensors: header of '", p,
+                        "' changed length from ", m.header_size, " to ", text.size());
   unsigned char length[8];
   for (int b = 0; b < 8; ++b) length[b] = static_cast<unsigned char>((uint64_t{text.size()} >> (8 * b)) & 0xff);
   std::string prefix(reinterpret_cast<const char*>(length), 8);
   prefix += text;
-  pwrite_all(file.fd(), prefix.data(), static_cast<int64_t>(prefix.size()), 0, path);
+  pwrite_all(m.file->fd(), prefix.data(), static_cast<int64_t>(prefix.size()), 0, p);
   int rc;
   do {
-    rc = ::fsync(file.fd());
+    rc = ::fsync(m.file->fd());
   } while (rc != 0 && errno == EINTR);
-  TORCH_CHECK(rc == 0, "write_safetensors: fsync of '", path, "' failed: ", error_text(errno));
-  file.close_and_keep();
+  TORCH_CHECK(rc == 0, "write_safetensors: fsync of '", p, "' failed: ", error_text(errno));
+  m.file->close_and_keep();
+  m.file.reset();
+}
+
+void write_safetensors(const std::string& path, const std::vector<SafetensorsItem>& items,
+                       const std::map<std::string, std::string>& metadata, int64_t crc_block_bytes) {
+  std::vector<SafetensorsEntrySpec> specs;
+  for (const auto& item : items) {
+    TORCH_CHECK(item.tensor.defined(), "write_safetensors: '", path, "': tensor '", item.key, "' is undefined");
+    specs.push_back({item.key, item.tensor.scalar_type(), item.tensor.sizes().vec()});
+  }
+  SafetensorsWriter writer(path, std::move(specs), metadata, crc_block_bytes);
+  for (const auto& item : items) writer.write(item.key, item.tensor);
+  writer.finish();
 }
 
 namespace {
@@ -366,9 +428,35 @@ HeaderBytes read_header_bytes(int fd, const std::string& p) {
   return bytes;
 }
 
+// The deepest nesting of arrays and objects in JSON text (brackets inside strings not counted),
+// stopping as soon as it exceeds `limit`.
+int json_nesting(const std::string& text, int limit) {
+  int depth = 0, deepest = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size() && deepest <= limit; ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
 // The header as a JSON object; a key given twice at the top level is an error (the parsed object
 // would silently keep only one of its values).
 Json parse_header_json(const std::string& text, const std::string& p) {
+  TORCH_CHECK(json_nesting(text, kMaxHeaderNesting) <= kMaxHeaderNesting, "SafetensorsFile: the header of '", p,
+              "' nests arrays or objects more than ", kMaxHeaderNesting, " deep: not a safetensors header");
   std::set<std::string> seen;
   std::string duplicate;
   Json json;
@@ -552,11 +640,13 @@ void read_checksums(const ChecksumMetadata& checksums, SafetensorsHeader& header
                 "-byte blocks, found ", describe(list));
     for (const auto& c : list) {
       const std::string hex = c.is_string() ? c.get<std::string>() : std::string();
-      char* end = nullptr;
-      const unsigned long value = hex.size() == 8 ? std::strtoul(hex.c_str(), &end, 16) : 0;
-      TORCH_CHECK(hex.size() == 8 && end == hex.c_str() + 8, "SafetensorsFile: '", p, "': entry '", e.key,
-                  "': checksum ", describe(c), " is not 8 hexadecimal digits");
-      e.crc32c.push_back(static_cast<uint32_t>(value));
+      // Digits only: strtoul alone would also take a sign, spaces or "0x" ("-0000001", "0x1a2b3c").
+      const bool digits = hex.size() == 8 && std::all_of(hex.begin(), hex.end(), [](char d) {
+                            return (d >= '0' && d <= '9') || (d >= 'a' && d <= 'f') || (d >= 'A' && d <= 'F');
+                          });
+      TORCH_CHECK(digits, "SafetensorsFile: '", p, "': entry '", e.key, "': checksum ", describe(c),
+                  " is not 8 hexadecimal digits");
+      e.crc32c.push_back(static_cast<uint32_t>(std::strtoul(hex.c_str(), nullptr, 16)));
     }
   }
 }

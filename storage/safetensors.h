@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -82,6 +83,39 @@ struct SafetensorsItem {
 void write_safetensors(const std::string& path, const std::vector<SafetensorsItem>& items,
                        const std::map<std::string, std::string>& metadata = {},
                        int64_t crc_block_bytes = kDefaultCrcBlockBytes);
+
+/// The dtype and shape of one tensor a SafetensorsWriter will be given.
+struct SafetensorsEntrySpec {
+  std::string key;
+  c10::ScalarType dtype = c10::ScalarType::Float;
+  std::vector<int64_t> shape;
+};
+
+/// A safetensors file written one tensor at a time, in any order, so that a program holds one
+/// tensor at a time (e.g. each gathered when it is needed): the entries are declared first (the
+/// header's length is final: keys, dtypes, shapes, placeholder checksums), each write() pwrites a
+/// tensor at its offset and checksums it, finish() writes the header with the checksums and
+/// fsync()s. A file not finished (an error, or destroyed early) is removed. The same checks and
+/// errors as write_safetensors, plus a key written twice, one not declared, a tensor of another
+/// dtype or shape than declared, and finish() before every entry is written.
+///
+///   fsdp::storage::SafetensorsWriter w(path, {{"w", at::kFloat, {4, 4}}}, {{"format", "pt"}});
+///   w.write("w", gathered);
+///   w.finish();
+class SafetensorsWriter {
+ public:
+  SafetensorsWriter(std::string path, std::vector<SafetensorsEntrySpec> entries,
+                    std::map<std::string, std::string> metadata = {}, int64_t crc_block_bytes = kDefaultCrcBlockBytes);
+  ~SafetensorsWriter();
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+  void write(const std::string& key, const at::Tensor& tensor);
+  void finish();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 /// An open safetensors file (read only): the constructor reads and checks the header (well-formed
 /// JSON, known dtypes, shapes matching byte sizes, entries back to back and in bounds, checksum

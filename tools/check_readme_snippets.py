@@ -71,6 +71,7 @@ def main():
     first_cpp_block_is("## Pipeline parallel", "tests/pipeline/pipeline_example.cc")
     first_cpp_block_is("## One training job: tensor parallel x fully_shard x pipeline (`fsdp::parallel`)",
                        "tests/parallel/composition_example.cc")
+    first_cpp_block_is("## Models: Llama from a Hugging Face folder (`models/`)", "examples/llama_finetune.cc")
 
     consumer = section(readme, "## Using the library from another Bazel workspace")
     build = read("examples/consumer/BUILD.bazel")

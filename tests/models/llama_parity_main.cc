@@ -1,5 +1,6 @@
 // The C++ Llama (models/llama.h) against Hugging Face transformers at one parallel layout:
-//   llama_parity_main HF_DIR REFERENCE OUT DP_REPLICATE DP_SHARD TP PP MICROBATCHES LOSS_PARALLEL VOCAB_MULTIPLE
+//   llama_parity_main HF_DIR REFERENCE OUT DP_REPLICATE DP_SHARD TP PP MICROBATCHES LOSS_PARALLEL VOCAB_MULTIPLE [ac]
+// ("ac": activation checkpointing on every decoder layer)
 // loads HF_DIR (a transformers save_pretrained folder) into the job, then checks against
 // REFERENCE (tests/models/hf_reference.py make):
 //   - logits of the loaded model on this data rank's rows (pp = 1; with loss parallel, each tp
@@ -59,9 +60,9 @@ std::map<std::string, at::Tensor> full_parameters(const fsdp::parallel::Parallel
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 11) {
+  if (argc != 11 && !(argc == 12 && std::string(argv[11]) == "ac")) {
     std::fprintf(stderr, "usage: %s HF_DIR REFERENCE OUT DP_REPLICATE DP_SHARD TP PP MICROBATCHES LOSS_PARALLEL "
-                 "VOCAB_MULTIPLE\n", argv[0]);
+                 "VOCAB_MULTIPLE [ac]\n", argv[0]);
     return 2;
   }
   const std::string hf_dir = argv[1], out = argv[3];
@@ -76,7 +77,7 @@ int main(int argc, char** argv) {
   auto spec = fsdp::models::llama_model_spec(config, /*init_seed=*/7,
                                              fsdp::models::LlamaParallel().loss_parallel(loss_parallel));
   auto model = fsdp::parallel::parallelize(
-      pg.comm, spec, fsdp::parallel::ParallelOptions().dims(dims).n_microbatches(microbatches));
+      pg.comm, spec, fsdp::parallel::ParallelOptions().dims(dims).n_microbatches(microbatches).checkpoint_activations(argc == 12));
   fsdp::models::load_llama_hf(model, config, hf_dir);
   const auto& mesh = model.mesh();
   const int64_t rows = ref["input_ids"].size(0) / mesh.data_world();
