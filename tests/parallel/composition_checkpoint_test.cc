@@ -1,8 +1,13 @@
 // Checkpoints of a composed job at one layout resume at another (parallel/checkpoint.h), over MPI
 // on 1-4 ranks: 2 steps at layout A, save, a new job at layout B loads and trains 2 more steps;
 // its parameters equal the unsharded reference trained 4 steps (clipping binds every step), and a
-// plain fully_shard model over every rank loads the same checkpoint with dcp::load.
+// plain fully_shard model over every rank loads the same checkpoint with dcp::load. The
+// checkpoint's named values (CheckpointValues: a data loader's position) come back at the other
+// layout, and values that differ between ranks are refused on every rank before anything is
+// written. (tests/data/composed_resume_test.cc resumes a job mid-epoch of a TokenDataset, whose
+// state is such a value, and checks that it reads the uninterrupted job's batches.)
 #include <cmath>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -66,13 +71,16 @@ FSDP_RANKS_TEST_CASE("a composed job's checkpoint resumes at another layout as t
                                              ParallelOptions().dims(a).n_microbatches(std::max(2, a.pp)));
     torch::optim::AdamW optim(model.parameters(), adamw());
     train(model, optim, 2);
-    fsdp::parallel::save_checkpoint(dir, model, optim);
+    // The data loader's position (here: the next step's batch key), the same on every rank.
+    fsdp::parallel::save_checkpoint(dir, model, optim, {{"data", "next_step=" + std::to_string(model.steps() + 1)}});
   }
   auto model = fsdp::parallel::parallelize(fsdp::testing::fresh_comm(), spec(),
                                            ParallelOptions().dims(b).n_microbatches(std::max(2, b.pp)));
   torch::optim::AdamW optim(model.parameters(), adamw());
-  fsdp::parallel::load_checkpoint(dir, model, optim);
+  fsdp::parallel::CheckpointValues values{{"stale", "dropped by the load"}};
+  fsdp::parallel::load_checkpoint(dir, model, optim, &values);
   CHECK(model.steps() == 2);
+  CHECK(values == fsdp::parallel::CheckpointValues{{"data", "next_step=3"}});
   train(model, optim, 2);
 
   // The reference: 4 steps on one process (microbatches do not change the mean loss's gradients).
@@ -97,4 +105,37 @@ FSDP_RANKS_TEST_CASE("a composed job's checkpoint resumes at another layout as t
       CHECK((full[item.key()] - item.value()).abs().max().item<double>() < 2e-5);
     }
   }
+}
+
+FSDP_RANKS_TEST_CASE("checkpoint values that differ between ranks are refused on every rank before anything is written",
+                     "[parallel]") {
+  const int w = fsdp::testing::world_size();
+  const std::string dir = fsdp::testing::shared_tmpdir() + "/composed_values_ckpt";
+  auto model = fsdp::parallel::parallelize(fsdp::testing::fresh_comm(), spec(),
+                                           ParallelOptions().dims({.dp_shard = w}).n_microbatches(2));
+  torch::optim::AdamW optim(model.parameters(), adamw());
+  train(model, optim, 1);
+  const int rank = fsdp::testing::rank();
+  if (w > 1) {
+    // The last rank is one step ahead; another rank lacks a value.
+    fsdp::parallel::CheckpointValues values{{"a", "1"}, {"data", rank == w - 1 ? "step=2" : "step=1"}};
+    std::string expected = "the values to save differ between ranks: 'data' is 'step=1' on rank 0 and 'step=2' on rank " +
+                           std::to_string(w - 1) + "; every rank passes the same CheckpointValues (nothing was written)";
+    if (w > 2) {
+      if (rank == 1) values.erase("a");
+      expected = "the values to save differ between ranks: 'a' is '1' on rank 0 and absent on rank 1";
+    }
+    const std::string error = fsdp::testing::error_of([&] { fsdp::parallel::save_checkpoint(dir, model, optim, values); });
+    CHECK_THAT(error, Catch::Matchers::Contains("fsdp::parallel::save_checkpoint: " + expected));
+    CHECK(fsdp::testing::same_on_every_rank(error));
+    CHECK(!std::filesystem::exists(dir));
+  }
+  CHECK_THAT(fsdp::testing::error_of([&] { fsdp::parallel::save_checkpoint(dir, model, optim, {{"", "x"}}); }),
+             Catch::Matchers::Contains("a value with an empty name (nothing was written)"));
+  CHECK(!std::filesystem::exists(dir));
+  // Without values, a checkpoint loads with none.
+  fsdp::parallel::save_checkpoint(dir, model, optim);
+  fsdp::parallel::CheckpointValues values{{"stale", "x"}};
+  fsdp::parallel::load_checkpoint(dir, model, optim, &values);
+  CHECK(values.empty());
 }
