@@ -178,9 +178,11 @@ std::vector<PlannedParam> plan_parameters(const Target& t, const ParallelStyle& 
     }
   } else {
     const auto own = t.module->parameters(/*recurse=*/false);
-    TORCH_CHECK(own.empty() || dynamic_cast<torch::nn::LayerNormImpl*>(t.module.get()), where(t),
-                ": SequenceParallel supports LayerNorm and modules without parameters of their own (Dropout, "
-                "activations); found ", t.module->name(), " with ", own.size(), " parameters");
+    TORCH_CHECK(own.empty() || dynamic_cast<torch::nn::LayerNormImpl*>(t.module.get()) ||
+                    dynamic_cast<PerPositionModule*>(t.module.get()),
+                where(t), ": SequenceParallel supports LayerNorm, modules implementing fsdp::PerPositionModule and "
+                "modules without parameters of their own (Dropout, activations); found ", t.module->name(), " with ",
+                own.size(), " parameters");
     for (auto& p : own) place(p, -1, 1, "");
   }
   return out;
@@ -275,6 +277,13 @@ contract::ForwardWrapper make_wrapper(const Target& t, const ParallelStyle& styl
       contract::ForwardArgs local = args;
       if (!s.input_layout().is_shard) {
         local[0] = tp::split_to_tp(first_tensor(args, fqn, "SequenceParallel"), s.sequence_dim(), group);
+      }
+      if (auto* per_position = dynamic_cast<PerPositionModule*>(&m)) {
+        std::vector<std::unique_ptr<SwappedMember>> swapped;
+        for (at::Tensor* member : per_position->per_position_parameters()) {
+          swapped.push_back(std::make_unique<SwappedMember>(*member, [&](const at::Tensor& p) { return tp::copy_to_tp(p, group); }));
+        }
+        return forward(local);
       }
       auto* norm = dynamic_cast<torch::nn::LayerNormImpl*>(&m);
       if (norm == nullptr) return forward(local);

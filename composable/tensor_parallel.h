@@ -32,7 +32,8 @@
 //    the reduction; Embedding: the vocabulary, ids outside a rank's rows give zeros). Input
 //    Shard(-1) (default) or Replicate (this rank's piece taken); output Replicate (default:
 //    all-reduced) or Shard(d) (reduce-scattered, sequence parallelism).
-//  - SequenceParallel (LayerNorm, Dropout, any module acting per position): input and output
+//  - SequenceParallel (LayerNorm, a module implementing PerPositionModule such as an RMSNorm,
+//    Dropout, any module without parameters acting per position): input and output
 //    Shard(sequence_dim) (a Replicate input is split first); its parameters stay whole and their
 //    gradients are summed over the group (each rank saw only its positions).
 //  - PrepareModuleInput / PrepareModuleOutput: redistribute a module's first tensor argument or
@@ -75,6 +76,7 @@
 #include <variant>
 #include <vector>
 
+#include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
 #include "fsdp_cpp/comm/communicator.h"
@@ -127,6 +129,21 @@ struct PrepareModuleOutput {
 
 using ParallelStyle =
     std::variant<ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput, PrepareModuleOutput>;
+
+/// A module with parameters that acts on each position alone (a norm), so that SequenceParallel
+/// can run it on this rank's positions: it names the members its forward reads its parameters
+/// from, and SequenceParallel gives the forward, in their place, views whose gradient is summed
+/// over the tp group (the parameters stay whole on every rank).
+///
+///   struct RMSNormImpl : torch::nn::Module, fsdp::PerPositionModule {
+///     std::vector<at::Tensor*> per_position_parameters() override { return {&weight}; }
+///     at::Tensor weight;
+///   };
+class PerPositionModule {
+ public:
+  virtual ~PerPositionModule() = default;
+  virtual std::vector<at::Tensor*> per_position_parameters() = 0;
+};
 
 /// Plan entries in order: (FQN pattern, style). A module matched by several entries gets each
 /// style in plan order (e.g. PrepareModuleInput and SequenceParallel), but at most one of the

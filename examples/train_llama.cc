@@ -48,6 +48,7 @@ constexpr const char* kUsage = R"(usage: train_llama [options]   (launched by to
   --schedule S           gpipe, 1f1b or interleaved_1f1b (default 1f1b)
   --microbatches M       microbatches per step (default: 2, or pp with a pipeline)
   --checkpoint-activations   activation checkpointing on each decoder layer
+  --sequence-parallel    with --tp: the residual stream and norms split along the sequence
   --steps S --layers L --hidden H --heads N --kv-heads K --intermediate I --seq T --batch B (per data rank)
   --lr X --clip X (0: off) --seed N --threads N
   --peak-tflops X        the peak per rank that MFU is stated against (default 0.1: about what one core
@@ -58,7 +59,7 @@ constexpr const char* kUsage = R"(usage: train_llama [options]   (launched by to
 struct Flags {
   std::string data = "examples/data/corpus.tokens", hf_init, export_hf, schedule = "1f1b";
   int dp_replicate = 1, dp = -1, tp = 1, pp = 1, microbatches = 0;
-  bool checkpoint_activations = false, check_unsharded = true;
+  bool checkpoint_activations = false, sequence_parallel = false, check_unsharded = true;
   int64_t steps = 20, layers = 4, hidden = 64, heads = 4, kv_heads = 2, intermediate = 176, seq = 64, batch = 4,
           threads = 1;
   double lr = 3e-3, clip = 1.0, peak_tflops = 0.1;
@@ -71,6 +72,7 @@ Flags parse_flags(int argc, char** argv) {
     const std::string name = argv[i];
     if (name == "--help" || name == "-h") throw std::invalid_argument("help");
     if (name == "--checkpoint-activations") { f.checkpoint_activations = true; continue; }
+    if (name == "--sequence-parallel") { f.sequence_parallel = true; continue; }
     if (i + 1 >= argc) throw std::invalid_argument(name + " expects a value");
     const std::string value = argv[++i];
     if (name == "--model") { if (value != "llama") throw std::invalid_argument("--model: this program trains llama"); }
@@ -133,7 +135,8 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
               (f.hf_init.empty() ? "" : " ('" + f.hf_init + "/config.json')"),
               ": tokens of another tokenizer would index past the embedding");
   const uint64_t init_seed = f.seed + 1;
-  const fsdp::parallel::ModelSpec spec = fsdp::models::llama_model_spec(config, init_seed);
+  const fsdp::parallel::ModelSpec spec = fsdp::models::llama_model_spec(
+      config, init_seed, fsdp::models::LlamaParallel().sequence_parallel(f.sequence_parallel));
   const auto options = fsdp::parallel::ParallelOptions()
                            .dims({.dp_replicate = f.dp_replicate, .dp_shard = f.dp, .tp = f.tp, .pp = f.pp})
                            .schedule(fsdp::pipeline::parse_schedule(f.schedule))

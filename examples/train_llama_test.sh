@@ -16,7 +16,8 @@ run() {
 }
 step "from scratch at dp=2, exported" run 2 "$main" --data "$tokens" --steps 10 --export-hf "$work/hf"
 step "the export has config.json and model.safetensors" test -s "$work/hf/config.json" -a -s "$work/hf/model.safetensors"
-step "from the export at (dp, tp) = (2, 2)" run 4 "$main" --data "$tokens" --steps 6 --dp 2 --tp 2 --hf-init "$work/hf"
+step "from the export at (dp, tp) = (2, 2), sequence parallel" run 4 "$main" --data "$tokens" --steps 6 --dp 2 --tp 2 \
+  --sequence-parallel --hf-init "$work/hf"
 step "from the export at (pp, dp) = (2, 2)" run 4 "$main" --data "$tokens" --steps 6 --pp 2 --dp 2 --hf-init "$work/hf" \
   --export-hf "$work/hf2"
 step "the pipelined export has an index and one file per stage" \

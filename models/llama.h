@@ -43,6 +43,7 @@
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 
+#include "fsdp_cpp/composable/tensor_parallel.h"
 #include "fsdp_cpp/contract/hookable_module_holder.h"
 #include "fsdp_cpp/contract/hookable_module_list.h"
 #include "fsdp_cpp/contract/hookable_modules.h"
@@ -124,10 +125,12 @@ LlamaConfig parse_llama_config(const std::string& json_text, const std::string& 
 at::Tensor rotary_inverse_frequencies(const RopeParameters& rope, int64_t head_dim);
 
 /// RMSNorm over the last dimension: weight * (x / sqrt(mean(x^2) + eps)), computed in float32.
-class RMSNormImpl : public torch::nn::Module {
+/// Acts per position, so sequence parallelism runs it on each rank's positions (PerPositionModule).
+class RMSNormImpl : public torch::nn::Module, public PerPositionModule {
  public:
   RMSNormImpl(int64_t size, double eps);
   at::Tensor forward(at::Tensor x);
+  std::vector<at::Tensor*> per_position_parameters() override { return {&weight}; }
   at::Tensor weight;
 
  private:

@@ -12,23 +12,30 @@
 namespace fsdp::models {
 
 TensorParallelPlan llama_tensor_parallel_plan(const LlamaForCausalLMImpl& model, const LlamaParallel& options) {
+  const bool sp = options.sequence_parallel();
+  const Layout seq = Layout::shard(1), rep = Layout::replicate();
+  const Layout in = sp ? seq : rep;  // what the projections reading the residual stream get
   TensorParallelPlan plan;
   if (model.is_first_stage()) {
-    plan.emplace_back("model.embed_tokens",
-                      RowwiseParallel().input_layout(Layout::replicate()).output_layout(Layout::replicate()));
+    plan.emplace_back("model.embed_tokens", RowwiseParallel().input_layout(rep).output_layout(in));
   }
   if (!model.model->layers->is_empty()) {
     for (const char* name : {"q_proj", "k_proj", "v_proj"}) {
-      plan.emplace_back(std::string("model.layers.*.self_attn.") + name, ColwiseParallel());
+      plan.emplace_back(std::string("model.layers.*.self_attn.") + name, ColwiseParallel().input_layout(in));
     }
-    plan.emplace_back("model.layers.*.self_attn.o_proj", RowwiseParallel());
-    plan.emplace_back("model.layers.*.mlp.gate_proj", ColwiseParallel());
-    plan.emplace_back("model.layers.*.mlp.up_proj", ColwiseParallel());
-    plan.emplace_back("model.layers.*.mlp.down_proj", RowwiseParallel());
+    plan.emplace_back("model.layers.*.self_attn.o_proj", RowwiseParallel().output_layout(in));
+    plan.emplace_back("model.layers.*.mlp.gate_proj", ColwiseParallel().input_layout(in));
+    plan.emplace_back("model.layers.*.mlp.up_proj", ColwiseParallel().input_layout(in));
+    plan.emplace_back("model.layers.*.mlp.down_proj", RowwiseParallel().output_layout(in));
+    if (sp) {
+      plan.emplace_back("model.layers.*.input_layernorm", SequenceParallel());
+      plan.emplace_back("model.layers.*.post_attention_layernorm", SequenceParallel());
+    }
   }
+  if (model.is_last_stage() && sp) plan.emplace_back("model.norm", SequenceParallel());
   if (!model.lm_head.is_empty()) {
-    plan.emplace_back("lm_head", ColwiseParallel().output_layout(options.loss_parallel() ? Layout::shard(-1)
-                                                                                           : Layout::replicate()));
+    plan.emplace_back("lm_head", ColwiseParallel().input_layout(in).output_layout(
+                                     options.loss_parallel() ? Layout::shard(-1) : Layout::replicate()));
   }
   return plan;
 }
@@ -62,8 +69,10 @@ parallel::LossFn parallelize_llama(LlamaForCausalLM& model, const std::shared_pt
   if (c.tie_word_embeddings() && model->is_last_stage()) {
     // The tied output layer: the embedding's vocabulary rows of this rank (RowwiseParallel on the
     // embedding), the hidden states entering whole (their gradient summed over the group).
-    model->set_output_layer([group, lp](const at::Tensor& hidden, const at::Tensor& weight) {
-      const at::Tensor logits = tp::copy_to_tp(hidden, group).matmul(weight.t());
+    const bool sp = options.sequence_parallel();
+    model->set_output_layer([group, lp, sp](const at::Tensor& hidden, const at::Tensor& weight) {
+      const at::Tensor h = sp ? tp::all_gather_tp(hidden, 1, group) : tp::copy_to_tp(hidden, group);
+      const at::Tensor logits = h.matmul(weight.t());
       return lp ? logits : tp::gather_from_tp(logits, -1, group);
     });
   }

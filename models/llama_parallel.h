@@ -24,8 +24,13 @@
 //                                    padding columns excluded), else Replicate (all-gathered,
 //                                    padding cut off). A tied model computes the same from the
 //                                    embedding's rows.
-// The norms stay replicated (no sequence parallelism for this model yet: the library's
-// SequenceParallel style places LayerNorm's parameters only). The padded vocabulary ([Note: padded
+// With sequence_parallel (Megatron's SP, torchtitan's default with tp), the residual stream
+// between the projections is this rank's positions (Shard(1)): the embedding's output and
+// o_proj/down_proj's are reduce-scattered, the norms (RMSNorm is a PerPositionModule) run on the
+// local positions with their weights' gradients summed over the group, and each column-parallel
+// projection all-gathers its input (q, k and v each gather: three all-gathers per attention, two
+// per MLP, where a fused projection would need one); the sequence length must be divisible by tp.
+// A pipeline stage then passes on this rank's positions. The padded vocabulary ([Note: padded
 // vocabulary] in models/llama.h) must be divisible by tp: refused otherwise, naming
 // LlamaConfig::vocab_multiple.
 
@@ -42,6 +47,8 @@
 namespace fsdp::models {
 
 struct LlamaParallel {
+  /// Sequence parallelism (see above): activations between the layers shrink by tp.
+  TORCH_ARG(bool, sequence_parallel) = false;
   /// Vocabulary-parallel logits and loss (no [batch, time, vocab] tensor is gathered).
   TORCH_ARG(bool, loss_parallel) = true;
   /// Target id that does not count in the loss (transformers' label padding).

@@ -1,6 +1,6 @@
 // The C++ Llama (models/llama.h) against Hugging Face transformers at one parallel layout:
-//   llama_parity_main HF_DIR REFERENCE OUT DP_REPLICATE DP_SHARD TP PP MICROBATCHES LOSS_PARALLEL VOCAB_MULTIPLE [ac]
-// ("ac": activation checkpointing on every decoder layer)
+//   llama_parity_main HF_DIR REFERENCE OUT DP_REPLICATE DP_SHARD TP PP MICROBATCHES LOSS_PARALLEL VOCAB_MULTIPLE [ac] [sp]
+// ("ac": activation checkpointing on every decoder layer; "sp": sequence parallelism)
 // loads HF_DIR (a transformers save_pretrained folder) into the job, then checks against
 // REFERENCE (tests/models/hf_reference.py make):
 //   - logits of the loaded model on this data rank's rows (pp = 1; with loss parallel, each tp
@@ -60,9 +60,16 @@ std::map<std::string, at::Tensor> full_parameters(const fsdp::parallel::Parallel
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 11 && !(argc == 12 && std::string(argv[11]) == "ac")) {
+  bool ac = false, sp = false, bad = argc < 11;
+  for (int i = 11; i < argc; ++i) {
+    const std::string flag = argv[i];
+    ac = ac || flag == "ac";
+    sp = sp || flag == "sp";
+    bad = bad || (flag != "ac" && flag != "sp");
+  }
+  if (bad) {
     std::fprintf(stderr, "usage: %s HF_DIR REFERENCE OUT DP_REPLICATE DP_SHARD TP PP MICROBATCHES LOSS_PARALLEL "
-                 "VOCAB_MULTIPLE [ac]\n", argv[0]);
+                 "VOCAB_MULTIPLE [ac] [sp]\n", argv[0]);
     return 2;
   }
   const std::string hf_dir = argv[1], out = argv[3];
@@ -75,9 +82,9 @@ int main(int argc, char** argv) {
   const auto config = fsdp::models::read_llama_config(hf_dir, std::atoi(argv[10]));
   const auto ref = fsdp::load_safetensors(argv[2]);
   auto spec = fsdp::models::llama_model_spec(config, /*init_seed=*/7,
-                                             fsdp::models::LlamaParallel().loss_parallel(loss_parallel));
+                                             fsdp::models::LlamaParallel().loss_parallel(loss_parallel).sequence_parallel(sp));
   auto model = fsdp::parallel::parallelize(
-      pg.comm, spec, fsdp::parallel::ParallelOptions().dims(dims).n_microbatches(microbatches).checkpoint_activations(argc == 12));
+      pg.comm, spec, fsdp::parallel::ParallelOptions().dims(dims).n_microbatches(microbatches).checkpoint_activations(ac));
   fsdp::models::load_llama_hf(model, config, hf_dir);
   const auto& mesh = model.mesh();
   const int64_t rows = ref["input_ids"].size(0) / mesh.data_world();

@@ -15,7 +15,7 @@ step "transformers: an untied Llama with llama3 rope scaling, GQA 4:2, vocabular
   "$python" "$reference" make "$untied" --model llama --rope llama3
 step "transformers: a tied Llama" "$python" "$reference" make "$tied" --model llama --tied
 
-# layout: ranks dp_replicate dp_shard tp pp microbatches loss_parallel vocab_multiple [ac]
+# layout: ranks dp_replicate dp_shard tp pp microbatches loss_parallel vocab_multiple [ac] [sp]
 run_layout() {
   local dir="$1" name="$2"; shift 2
   local n="$1" out="$dir/out-${name// /_}"
@@ -38,12 +38,14 @@ run_layout "$untied" "pp=2 1F1B"               2 1 1 1 2 2 1 1
 run_layout "$untied" "dp=3"                    3 1 3 1 1 1 1 1
 run_layout "$untied" "pp=3"                    3 1 1 1 3 3 1 1
 run_layout "$untied" "dp=2 tp=2"               4 1 2 2 1 1 1 4
+run_layout "$untied" "tp=2 sequence-parallel"  2 1 1 2 1 1 1 2 sp
+run_layout "$untied" "pp=2 tp=2 sp, gathered"  4 1 1 2 2 2 0 2 sp
 run_layout "$untied" "pp=2 dp=2"               4 1 2 1 2 2 1 1
 run_layout "$untied" "pp=2 tp=2"               4 1 1 2 2 2 1 2
 run_layout "$untied" "HSDP 2x2"                4 2 2 1 1 1 1 1
 run_layout "$untied" "pp=2 dp=2 checkpointed"  4 1 2 1 2 2 1 1 ac
 run_layout "$tied"   "W=1"                     1 1 1 1 1 1 1 1
-run_layout "$tied"   "dp=2 tp=2"               4 1 2 2 1 1 1 2
+run_layout "$tied"   "dp=2 tp=2 sp"            4 1 2 2 1 1 1 2 sp
 
 refused() {
   local log="$work/refused.log"
