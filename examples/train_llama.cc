@@ -130,7 +130,7 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
                                                                  .original_max_position_embeddings = 1024})
                               .vocab_multiple(vocab_multiple)
                         : fsdp::models::read_llama_config(f.hf_init, vocab_multiple);
-  TORCH_CHECK(file->vocab_size() <= config.vocab_size(), "train_llama: the token file '", f.data, "' has a vocabulary of ",
+  TORCH_CHECK(file->vocab_size() <= config.vocab_size(), "the token file '", f.data, "' has a vocabulary of ",
               file->vocab_size(), " ids but the model's config has vocab_size ", config.vocab_size(),
               (f.hf_init.empty() ? "" : " ('" + f.hf_init + "/config.json')"),
               ": tokens of another tokenizer would index past the embedding");
@@ -238,6 +238,9 @@ int main(int argc, char** argv) {
   try {
     const auto group = fsdp::comm::init_process_group();
     return run(f, group);
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "train_llama: %s\n", e.what_without_backtrace());
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_llama: %s\n", e.what());
     return 1;

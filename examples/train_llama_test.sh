@@ -35,4 +35,13 @@ refused() {
   [ "$(grep -c "key 'model_type' is \"gpt2\", expected \"llama\"" "$log")" -ge 1 ]
 }
 step "a folder of another architecture is refused, naming the key" refused
+vocab_refused() {
+  local log="$work/vocab.log"
+  mkdir -p "$work/small" && cp "$work/hf/model.safetensors" "$work/small/"
+  sed 's/"vocab_size": 512/"vocab_size": 100/' "$work/hf/config.json" > "$work/small/config.json"
+  if mpi 2 "$main" --data "$tokens" --steps 1 --hf-init "$work/small" > "$log" 2>&1; then echo "accepted"; return 1; fi
+  head -2 "$log"
+  [ "$(grep -c "has a vocabulary of 512 ids but the model's config has vocab_size 100" "$log")" -eq 2 ]
+}
+step "a token file of a larger vocabulary than the folder's config is refused on every rank" vocab_refused
 finish train_llama_test
