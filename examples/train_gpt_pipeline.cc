@@ -32,6 +32,7 @@
 #include "fsdp_cpp/composable/fully_shard_tree.h"
 #include "fsdp_cpp/composable/wrap_policy.h"
 #include "fsdp_cpp/examples/char_corpus.h"
+#include "fsdp_cpp/examples/example_main.h"
 #include "fsdp_cpp/examples/flags.h"
 #include "fsdp_cpp/examples/gpt_model.h"
 #include "fsdp_cpp/examples/gpt_tensor_parallel.h"
@@ -291,20 +292,5 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  Flags f;
-  try {
-    f = parse_flags(argc, argv);
-  } catch (const std::exception& e) {
-    if (std::string(e.what()) != "help") std::fprintf(stderr, "train_gpt_pipeline: %s\n", e.what());
-    std::fputs(kUsage, stderr);
-    return 2;
-  }
-  at::set_num_threads(static_cast<int>(f.threads));
-  try {
-    const auto group = fsdp::comm::init_process_group();
-    return run(f, group);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "train_gpt_pipeline: %s\n", e.what());
-    return 1;
-  }
+  return fsdp::examples::example_main<Flags>("train_gpt_pipeline", kUsage, argc, argv, parse_flags, run);
 }

@@ -26,6 +26,7 @@
 #include "fsdp_cpp/checkpoint/full_state_dict_files.h"
 #include "fsdp_cpp/comm/init.h"
 #include "fsdp_cpp/data/token_dataset.h"
+#include "fsdp_cpp/examples/example_main.h"
 #include "fsdp_cpp/examples/flags.h"
 #include "fsdp_cpp/models/hf_checkpoint.h"
 #include "fsdp_cpp/models/llama.h"
@@ -201,48 +202,22 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
       }
     }
   }
-  torch::optim::AdamW ref_optim(reference.parameters(), torch::optim::AdamWOptions(f.lr).weight_decay(0.1));
   std::vector<fsdp::data::TokenDataset> ref_data;
   for (int q = 0; q < mesh.data_world(); ++q) ref_data.push_back(dataset(file, f, q, mesh.data_world()));
-  double worst = 0;
-  for (int64_t step = 1; step <= f.steps; ++step) {
-    std::vector<fsdp::parallel::Batch> global;
-    for (auto& d : ref_data) {
-      const auto b = d.next_batch(f.batch);
-      global.push_back({b.inputs, b.targets});
-    }
-    const double loss = reference.forward_backward(step, global).item<double>();
-    if (f.clip > 0) reference.clip_grad_norm_(f.clip);
-    ref_optim.step();
-    reference.zero_grad();
-    worst = std::max(worst, std::abs(loss - losses[step - 1]));
-  }
-  std::printf("\nfinal loss %.6f; the same training unsharded on one process (same seeds, same batches): largest "
-              "|difference| over the %" PRId64 " steps' losses %.2e: %s\n",
-              losses.back(), f.steps, worst, worst < 1e-3 ? "match" : "MISMATCH");
-  return worst < 1e-3 ? 0 : 1;
+  return fsdp::examples::unsharded_difference(
+      reference, torch::optim::AdamWOptions(f.lr).weight_decay(0.1), f.clip, losses, "same seeds, same batches",
+      [&](int64_t) {
+        std::vector<fsdp::parallel::Batch> global;
+        for (auto& d : ref_data) {
+          const auto b = d.next_batch(f.batch);
+          global.push_back({b.inputs, b.targets});
+        }
+        return global;
+      });
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  Flags f;
-  try {
-    f = parse_flags(argc, argv);
-  } catch (const std::exception& e) {
-    if (std::string(e.what()) != "help") std::fprintf(stderr, "train_llama: %s\n", e.what());
-    std::fputs(kUsage, stderr);
-    return 2;
-  }
-  at::set_num_threads(static_cast<int>(f.threads));
-  try {
-    const auto group = fsdp::comm::init_process_group();
-    return run(f, group);
-  } catch (const c10::Error& e) {
-    std::fprintf(stderr, "train_llama: %s\n", e.what_without_backtrace());
-    return 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "train_llama: %s\n", e.what());
-    return 1;
-  }
+  return fsdp::examples::example_main<Flags>("train_llama", kUsage, argc, argv, parse_flags, run);
 }
