@@ -16,12 +16,6 @@ namespace fsdp::models {
 
 namespace {
 
-std::string layers_text(const contract::ModuleList& layers) {
-  if (layers->is_empty()) return "no layers";
-  return "layers " + std::to_string(layers->first_name()) + " .. " +
-         std::to_string(layers->first_name() + static_cast<int64_t>(layers->size()) - 1);
-}
-
 // rotate_half of transformers: [x1, x2] -> [-x2, x1] over the last dimension's halves.
 at::Tensor rotate_half(const at::Tensor& x) {
   const int64_t half = x.size(-1) / 2;
@@ -247,47 +241,55 @@ at::Tensor LlamaDecoderLayerImpl::forward(at::Tensor x) {
   return x + mlp(post_attention_layernorm(x));
 }
 
-LlamaForCausalLMImpl::LlamaForCausalLMImpl(LlamaConfig config) : config_(std::move(config)) {
-  config_.validate();
-  const int64_t h = config_.hidden_size(), rows = config_.padded_vocab_size();
-  model = register_module("model", LlamaModel());
-  model->embed_tokens = model->register_module("embed_tokens", contract::Embedding(torch::nn::EmbeddingOptions(rows, h)));
+namespace causal_lm {
+
+std::string layers_text(const contract::ModuleList& layers) {
+  if (layers->is_empty()) return "no layers";
+  return "layers " + std::to_string(layers->first_name()) + " .. " +
+         std::to_string(layers->first_name() + static_cast<int64_t>(layers->size()) - 1);
+}
+
+void build(torch::nn::Module& root, LlamaModel& model, contract::Linear& lm_head, int64_t rows, int64_t hidden,
+           double rms_norm_eps, bool tied) {
+  model = root.register_module("model", LlamaModel());
+  model->embed_tokens = model->register_module("embed_tokens", contract::Embedding(torch::nn::EmbeddingOptions(rows, hidden)));
   model->layers = model->register_module("layers", contract::ModuleList());
-  for (int64_t i = 0; i < config_.num_hidden_layers(); ++i) model->layers->push_back(LlamaDecoderLayer(config_));
-  model->norm = model->register_module("norm", RMSNorm(h, config_.rms_norm_eps()));
-  if (!config_.tie_word_embeddings()) {
-    lm_head = register_module("lm_head", contract::Linear(torch::nn::LinearOptions(h, rows).bias(false)));
-  }
-  // transformers' _init_weights: every Linear and Embedding N(0, initializer_range), biases 0,
-  // norms 1 (their constructor), in module order.
+  model->norm = model->register_module("norm", RMSNorm(hidden, rms_norm_eps));
+  if (!tied) lm_head = root.register_module("lm_head", contract::Linear(torch::nn::LinearOptions(hidden, rows).bias(false)));
+}
+
+void init_weights(torch::nn::Module& root, LlamaModel& model, contract::Linear& lm_head, double std,
+                  int64_t vocab_size, const std::function<void(torch::nn::Module&)>& also) {
   c10::NoGradGuard no_grad;
-  const double std = config_.initializer_range();
-  for (auto& m : modules(/*include_self=*/false)) {
+  for (auto& m : root.modules(/*include_self=*/false)) {
     if (auto* linear = m->as<torch::nn::LinearImpl>()) {
       linear->weight.normal_(0.0, std);
       if (linear->bias.defined()) linear->bias.zero_();
     } else if (auto* embedding = m->as<torch::nn::EmbeddingImpl>()) {
       embedding->weight.normal_(0.0, std);
+    } else if (also) {
+      also(*m);
     }
   }
   // [Note: padded vocabulary]: the padding rows are zeros.
-  if (rows > config_.vocab_size()) {
-    model->embed_tokens->weight.narrow(0, config_.vocab_size(), rows - config_.vocab_size()).zero_();
-    if (!lm_head.is_empty()) lm_head->weight.narrow(0, config_.vocab_size(), rows - config_.vocab_size()).zero_();
+  const int64_t rows = model->embed_tokens->weight.size(0);
+  if (rows > vocab_size) {
+    model->embed_tokens->weight.narrow(0, vocab_size, rows - vocab_size).zero_();
+    if (!lm_head.is_empty()) lm_head->weight.narrow(0, vocab_size, rows - vocab_size).zero_();
   }
 }
 
-void LlamaForCausalLMImpl::keep_stage(pipeline::BlockRange range, bool first, bool last) {
-  const int64_t n_layers = config_.num_hidden_layers();
-  TORCH_CHECK(!config_.tie_word_embeddings() || (first && last), "LlamaForCausalLM::keep_stage: a model with tied "
-              "embeddings cannot be split into pipeline stages: its output layer is the token embedding's weight, "
-              "which would live on the first and the last stage (asked for a ",
-              (first ? "first" : (last ? "last" : "middle")), " stage holding layers [", range.begin, ", ", range.end,
-              ")). Use tie_word_embeddings(false)");
-  TORCH_CHECK(is_first_stage() && is_last_stage() && !model->layers->is_pruned(), "LlamaForCausalLM::keep_stage: the "
-              "model is already a pipeline stage (", layers_text(model->layers), "); call keep_stage once, on the whole model");
-  TORCH_CHECK(0 <= range.begin && range.begin <= range.end && range.end <= n_layers,
-              "LlamaForCausalLM::keep_stage: expected a range of layers [begin, end) within [0, ", n_layers,
+void keep_stage(torch::nn::Module& root, LlamaModel& model, contract::Linear& lm_head, bool tied, int64_t n_layers,
+                pipeline::BlockRange range, bool first, bool last, const std::string& api) {
+  const bool whole = !model->embed_tokens.is_empty() && !model->norm.is_empty() && !model->layers->is_pruned();
+  TORCH_CHECK(!tied || (first && last), api, ": a model with tied embeddings cannot be split into pipeline stages: "
+              "its output layer is the token embedding's weight, which would live on the first and the last stage "
+              "(asked for a ", (first ? "first" : (last ? "last" : "middle")), " stage holding layers [", range.begin,
+              ", ", range.end, ")). Use tie_word_embeddings(false)");
+  TORCH_CHECK(whole, api, ": the model is already a pipeline stage (", layers_text(model->layers),
+              "); call keep_stage once, on the whole model");
+  TORCH_CHECK(0 <= range.begin && range.begin <= range.end && range.end <= n_layers, api,
+              ": expected a range of layers [begin, end) within [0, ", n_layers,
               ") (num_hidden_layers) with begin <= end, got [", range.begin, ", ", range.end, ")");
   model->layers->keep_only(range.begin, range.end);
   if (!first) {
@@ -298,10 +300,25 @@ void LlamaForCausalLMImpl::keep_stage(pipeline::BlockRange range, bool first, bo
     model->unregister_module("norm");
     model->norm = nullptr;
     if (!lm_head.is_empty()) {
-      unregister_module("lm_head");
+      root.unregister_module("lm_head");
       lm_head = nullptr;
     }
   }
+}
+
+}  // namespace causal_lm
+
+LlamaForCausalLMImpl::LlamaForCausalLMImpl(LlamaConfig config) : config_(std::move(config)) {
+  config_.validate();
+  causal_lm::build(*this, model, lm_head, config_.padded_vocab_size(), config_.hidden_size(), config_.rms_norm_eps(),
+                   config_.tie_word_embeddings());
+  for (int64_t i = 0; i < config_.num_hidden_layers(); ++i) model->layers->push_back(LlamaDecoderLayer(config_));
+  causal_lm::init_weights(*this, model, lm_head, config_.initializer_range(), config_.vocab_size());
+}
+
+void LlamaForCausalLMImpl::keep_stage(pipeline::BlockRange range, bool first, bool last) {
+  causal_lm::keep_stage(*this, model, lm_head, config_.tie_word_embeddings(), config_.num_hidden_layers(), range,
+                        first, last, "LlamaForCausalLM::keep_stage");
 }
 
 std::vector<LlamaDecoderLayer> LlamaForCausalLMImpl::layer_list() const {
@@ -316,7 +333,7 @@ at::Tensor LlamaForCausalLMImpl::forward(at::Tensor input) {
     x = model->embed_tokens(input);
   } else {
     TORCH_CHECK(input.dim() == 3 && input.is_floating_point() && input.size(2) == config_.hidden_size(),
-                "LlamaForCausalLM::forward: this pipeline stage (", layers_text(model->layers), ", no embeddings) "
+                "LlamaForCausalLM::forward: this pipeline stage (", causal_lm::layers_text(model->layers), ", no embeddings) "
                 "expected the previous stage's hidden states, floating point of shape [batch, time, ",
                 config_.hidden_size(), "] (got ", input.scalar_type(), " of shape ", input.sizes(), ")");
     x = std::move(input);

@@ -194,6 +194,28 @@ class LlamaModelImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaModel);
 
+/// What the causal LMs of models/ (Llama, MoE) share around their layers: the `model` container
+/// (embed_tokens, layers, norm) and `lm_head` registered on `root`, transformers' initialisation
+/// and the pipeline-stage cut.
+namespace causal_lm {
+
+/// Registers root.model (embed_tokens [rows, hidden], an empty layers list, norm) and, unless
+/// `tied`, root.lm_head [rows, hidden] without bias; the caller pushes its layers.
+void build(torch::nn::Module& root, LlamaModel& model, contract::Linear& lm_head, int64_t rows, int64_t hidden,
+           double rms_norm_eps, bool tied);
+/// transformers' _init_weights from the global generator, in module order: every Linear and
+/// Embedding weight N(0, std), biases 0, and what `also` initialises of other modules (e.g. a
+/// router); norms keep their 1s. Then the padding rows beyond `vocab_size` are zeroed.
+void init_weights(torch::nn::Module& root, LlamaModel& model, contract::Linear& lm_head, double std,
+                  int64_t vocab_size, const std::function<void(torch::nn::Module&)>& also = {});
+/// Prunes to one pipeline stage (see LlamaForCausalLM::keep_stage); `api` starts the errors.
+void keep_stage(torch::nn::Module& root, LlamaModel& model, contract::Linear& lm_head, bool tied, int64_t n_layers,
+                pipeline::BlockRange range, bool first, bool last, const std::string& api);
+/// "layers 2 .. 3" or "no layers", for messages.
+std::string layers_text(const contract::ModuleList& layers);
+
+}  // namespace causal_lm
+
 /// The causal language model: token ids [batch, time] (int64) -> logits [batch, time,
 /// vocab_size]; on a pipeline stage, hidden states [batch, time, hidden] in or out.
 class LlamaForCausalLMImpl : public torch::nn::Module {

@@ -16,11 +16,7 @@ namespace fsdp::models {
 
 namespace {
 
-std::string layers_text(const contract::ModuleList& layers) {
-  if (layers->is_empty()) return "no layers";
-  return "layers " + std::to_string(layers->first_name()) + " .. " +
-         std::to_string(layers->first_name() + static_cast<int64_t>(layers->size()) - 1);
-}
+using causal_lm::layers_text;
 
 // rotate_half of transformers: [x1, x2] -> [-x2, x1] over the last dimension's halves.
 at::Tensor rotate_half(const at::Tensor& x) {
@@ -390,60 +386,20 @@ std::tuple<at::Tensor, at::Tensor> MoeDecoderLayerImpl::forward(at::Tensor x) {
 
 MoeForCausalLMImpl::MoeForCausalLMImpl(MoeConfig config) : config_(std::move(config)) {
   config_.validate();
-  const int64_t h = config_.hidden_size(), rows = config_.padded_vocab_size();
-  model = register_module("model", LlamaModel());
-  model->embed_tokens = model->register_module("embed_tokens", contract::Embedding(torch::nn::EmbeddingOptions(rows, h)));
-  model->layers = model->register_module("layers", contract::ModuleList());
+  causal_lm::build(*this, model, lm_head, config_.padded_vocab_size(), config_.hidden_size(), config_.rms_norm_eps(),
+                   config_.tie_word_embeddings());
   for (int64_t i = 0; i < config_.num_hidden_layers(); ++i) model->layers->push_back(MoeDecoderLayer(config_, i));
-  model->norm = model->register_module("norm", RMSNorm(h, config_.rms_norm_eps()));
-  if (!config_.tie_word_embeddings()) {
-    lm_head = register_module("lm_head", contract::Linear(torch::nn::LinearOptions(h, rows).bias(false)));
-  }
-  // transformers' _init_weights: Linear, Embedding and router weights N(0, initializer_range),
-  // biases 0, norms 1, e_score_correction_bias 0 (their constructors), in module order.
-  c10::NoGradGuard no_grad;
+  // transformers' _init_weights, the routers' weights N(0, initializer_range) too;
+  // e_score_correction_bias starts at 0 (its constructor).
   const double std = config_.initializer_range();
-  for (auto& m : modules(/*include_self=*/false)) {
-    if (auto* linear = m->as<torch::nn::LinearImpl>()) {
-      linear->weight.normal_(0.0, std);
-      if (linear->bias.defined()) linear->bias.zero_();
-    } else if (auto* embedding = m->as<torch::nn::EmbeddingImpl>()) {
-      embedding->weight.normal_(0.0, std);
-    } else if (auto* router = m->as<MoeRouterImpl>()) {
-      router->weight.normal_(0.0, std);
-    }
-  }
-  if (rows > config_.vocab_size()) {
-    model->embed_tokens->weight.narrow(0, config_.vocab_size(), rows - config_.vocab_size()).zero_();
-    if (!lm_head.is_empty()) lm_head->weight.narrow(0, config_.vocab_size(), rows - config_.vocab_size()).zero_();
-  }
+  causal_lm::init_weights(*this, model, lm_head, std, config_.vocab_size(), [std](torch::nn::Module& m) {
+    if (auto* router = m.as<MoeRouterImpl>()) router->weight.normal_(0.0, std);
+  });
 }
 
 void MoeForCausalLMImpl::keep_stage(pipeline::BlockRange range, bool first, bool last) {
-  const int64_t n_layers = config_.num_hidden_layers();
-  TORCH_CHECK(!config_.tie_word_embeddings() || (first && last), "MoeForCausalLM::keep_stage: a model with tied "
-              "embeddings cannot be split into pipeline stages: its output layer is the token embedding's weight, "
-              "which would live on the first and the last stage (asked for a ",
-              (first ? "first" : (last ? "last" : "middle")), " stage holding layers [", range.begin, ", ", range.end,
-              ")). Use tie_word_embeddings(false)");
-  TORCH_CHECK(is_first_stage() && is_last_stage() && !model->layers->is_pruned(), "MoeForCausalLM::keep_stage: the "
-              "model is already a pipeline stage (", layers_text(model->layers), "); call keep_stage once, on the whole model");
-  TORCH_CHECK(0 <= range.begin && range.begin <= range.end && range.end <= n_layers,
-              "MoeForCausalLM::keep_stage: expected a range of layers [begin, end) within [0, ", n_layers,
-              ") (num_hidden_layers) with begin <= end, got [", range.begin, ", ", range.end, ")");
-  model->layers->keep_only(range.begin, range.end);
-  if (!first) {
-    model->unregister_module("embed_tokens");
-    model->embed_tokens = nullptr;
-  }
-  if (!last) {
-    model->unregister_module("norm");
-    model->norm = nullptr;
-    if (!lm_head.is_empty()) {
-      unregister_module("lm_head");
-      lm_head = nullptr;
-    }
-  }
+  causal_lm::keep_stage(*this, model, lm_head, config_.tie_word_embeddings(), config_.num_hidden_layers(), range,
+                        first, last, "MoeForCausalLM::keep_stage");
 }
 
 std::vector<MoeDecoderLayer> MoeForCausalLMImpl::layer_list() const {
