@@ -50,12 +50,13 @@ int example_main(const char* name, const char* usage, int argc, char** argv, Par
 }
 
 /// Trains `reference` for losses.size() steps (AdamW with `optim`, clipping at `clip` when
-/// positive) on `global_batch(step)` (one batch per data rank, steps from 1), prints the
-/// comparison with the job's per-step `losses` (`what` says what the runs share) and returns 0 on
-/// a match, 1 otherwise.
+/// positive, then `after_step` if given) on `global_batch(step)` (one batch per data rank, steps
+/// from 1), prints the comparison with the job's per-step `losses` (`what` says what the runs
+/// share) and returns 0 on a match, 1 otherwise.
 inline int unsharded_difference(parallel::UnshardedReference& reference, const torch::optim::AdamWOptions& optim,
                                 double clip, const std::vector<double>& losses, const char* what,
-                                const std::function<std::vector<parallel::Batch>(int64_t step)>& global_batch) {
+                                const std::function<std::vector<parallel::Batch>(int64_t step)>& global_batch,
+                                const std::function<void(parallel::UnshardedReference&)>& after_step = {}) {
   torch::optim::AdamW ref_optim(reference.parameters(), optim);
   double worst = 0;
   const auto steps = static_cast<int64_t>(losses.size());
@@ -63,6 +64,7 @@ inline int unsharded_difference(parallel::UnshardedReference& reference, const t
     const double loss = reference.forward_backward(step, global_batch(step)).item<double>();
     if (clip > 0) reference.clip_grad_norm_(clip);
     ref_optim.step();
+    if (after_step) after_step(reference);
     reference.zero_grad();
     worst = std::max(worst, std::abs(loss - losses[step - 1]));
   }

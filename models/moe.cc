@@ -105,6 +105,20 @@ void MoeConfig::validate() const {
   TORCH_CHECK(std::isfinite(router_aux_loss_coef_), "MoeConfig: router_aux_loss_coef must be finite");
 }
 
+double MoeConfig::training_flops_per_token(int64_t seq_len) const {
+  const double h = static_cast<double>(hidden_size_), q = static_cast<double>(num_attention_heads_ * head_size());
+  const double kv = static_cast<double>(kv_heads() * head_size());
+  const double attention = h * q + 2 * h * kv + q * h;
+  const double sparse = static_cast<double>(num_experts_per_tok_ + n_shared_experts_) * 3 * h *
+                            static_cast<double>(moe_intermediate_size_) + h * static_cast<double>(num_experts_);
+  const double dense = 3 * h * static_cast<double>(intermediate_size_);
+  const double sparse_layers = static_cast<double>(num_sparse_layers());
+  const double layers = static_cast<double>(num_hidden_layers_);
+  const double matmul = layers * attention + sparse_layers * sparse + (layers - sparse_layers) * dense +
+                        static_cast<double>(vocab_size_) * h;
+  return 6.0 * matmul + 6.0 * layers * q * static_cast<double>(seq_len);
+}
+
 std::string MoeConfig::to_hf_json() const {
   nlohmann::ordered_json j;
   j["architectures"] = {"Qwen3MoeForCausalLM"};

@@ -161,6 +161,10 @@ struct MoeConfig {
   bool has_aux_loss() const { return output_router_logits_ && router_aux_loss_coef_ != 0.0; }
   /// The attention's fields as a LlamaConfig (for the shared building blocks).
   LlamaConfig attention_config() const;
+  /// Matmul FLOPs of one token's forward and backward at `seq_len`, counting the parameters a
+  /// token uses (attention, its top-k and the shared experts, the routers, the dense layers, the
+  /// output layer) as in LlamaConfig::training_flops_per_token, for MFU.
+  double training_flops_per_token(int64_t seq_len) const;
 
   /// config.json as transformers writes it for Qwen3MoeForCausalLM (float32); the DeepSeek options
   /// only when they differ from the defaults.

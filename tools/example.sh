@@ -4,9 +4,9 @@
 # machine.   tools/example.sh [--np N] [train_gpt flags...]   (tools/example.sh --help lists them)
 # With any of --dp, --dp-replicate, --tp or --pp it runs //examples:train_gpt_parallel instead: the
 # composition root on that layout (tools/example.sh --np 4 --dp 2 --tp 2 --help lists its flags).
-# With --model llama it runs //examples:train_llama: a Llama on the shipped token file through the
-# composition root on any of those layouts, --hf-init DIR / --export-hf DIR for Hugging Face folders
-# (tools/example.sh --model llama --np 4 --dp 2 --tp 2).
+# With --model llama (or moe: a Qwen3-MoE) it runs //examples:train_lm: the model on the shipped
+# token file through the composition root on any of those layouts, --hf-init DIR / --export-hf DIR
+# for Hugging Face folders (tools/example.sh --model llama --np 4 --dp 2 --tp 2).
 # //examples:train_gpt_pipeline composes the same APIs by hand (bazel run it, or see its test).
 # The collectives demo is a separate target: bazel build //examples:collectives_demo.
 set -euo pipefail
@@ -19,8 +19,8 @@ for a in "$@"; do
   case "$a" in --dp|--dp-replicate|--tp|--pp) [ "$target" = train_gpt ] && target=train_gpt_parallel ;; esac
   if [ "$prev" = --model ]; then
     case "$a" in
-      llama) target=train_llama ;;
-      *) echo "tools/example.sh: --model $a: the models are llama" >&2; exit 2 ;;
+      llama|moe) target=train_lm ;;
+      *) echo "tools/example.sh: --model $a: the models are llama and moe" >&2; exit 2 ;;
     esac
   fi
   prev=$a

@@ -1,6 +1,7 @@
-// train_llama: a Llama (models/llama.h) trained on a token file (data/token_dataset.h) through the
-// composition root (parallel/parallel_model.h) on any (dp_replicate, dp_shard, tp, pp) layout of
-// the MPI ranks, from scratch or from a Hugging Face folder, exported back to one at the end.
+// train_lm: a Llama (models/llama.h) or a Qwen3-MoE (models/moe.h, --model moe) trained on a token
+// file (data/token_dataset.h) through the composition root (parallel/parallel_model.h) on any
+// (dp_replicate, dp_shard, tp, pp) layout of the MPI ranks, from scratch or from a Hugging Face
+// folder, exported back to one at the end.
 // Prints the layout, a line per step (loss over the global batch's tokens, grad norm, tokens/s,
 // MFU against a stated peak) and at the end every step's loss next to the same training unsharded
 // on one process (parallel/reference.h), which it must match.
@@ -9,6 +10,7 @@
 //   tools/example.sh --model llama --np 4 --dp 2 --tp 2             # fully_shard x tensor parallel
 //   tools/example.sh --model llama --np 4 --pp 2 --dp 2             # pipeline x fully_shard
 //   tools/example.sh --model llama --hf-init /models/tiny-llama --export-hf /tmp/out
+//   tools/example.sh --model moe --np 4 --dp 2 --tp 2              # 8 experts, top-2, aux loss
 #include <chrono>
 #include <cinttypes>
 #include <cmath>
@@ -31,6 +33,9 @@
 #include "fsdp_cpp/models/hf_checkpoint.h"
 #include "fsdp_cpp/models/llama.h"
 #include "fsdp_cpp/models/llama_parallel.h"
+#include "fsdp_cpp/models/moe.h"
+#include "fsdp_cpp/models/moe_checkpoint.h"
+#include "fsdp_cpp/models/moe_parallel.h"
 #include "fsdp_cpp/parallel/parallel_model.h"
 #include "fsdp_cpp/parallel/reference.h"
 
@@ -39,7 +44,8 @@ namespace {
 using fsdp::examples::parse_double_flag;
 using fsdp::examples::parse_int_flag;
 
-constexpr const char* kUsage = R"(usage: train_llama [options]   (launched by tools/example.sh --model llama ...)
+constexpr const char* kUsage = R"(usage: train_lm [options]   (launched by tools/example.sh --model llama|moe ...)
+  --model llama|moe      a Llama, or a Qwen3-MoE (default llama)
   --data FILE            token file (default examples/data/corpus.tokens: corpus.txt, BPE vocabulary 512)
   --hf-init DIR          start from a Hugging Face folder (config.json + safetensors); the model's
                          shape flags are then ignored
@@ -52,13 +58,19 @@ constexpr const char* kUsage = R"(usage: train_llama [options]   (launched by to
   --sequence-parallel    with --tp: the residual stream and norms split along the sequence
   --steps S --layers L --hidden H --heads N --kv-heads K --intermediate I --seq T --batch B (per data rank)
   --lr X --clip X (0: off) --seed N --threads N
+  MoE: --experts E (8) --top-k K (2) --moe-intermediate I (64) --shared-experts N (0)
+       --aux-coef X (load-balancing loss, 0.01; 0: off) --scoring softmax|sigmoid
+       --bias-rate X (sigmoid: DeepSeek-V3's aux-loss-free bias update per step, default 0.001)
   --peak-tflops X        the peak per rank that MFU is stated against (default 0.1: about what one core
                          of this class of CPU does in float32; an H100's bf16 dense peak is 989)
   --check-unsharded 0|1  train the unsharded model on one process too and compare (default 1)
 )";
 
 struct Flags {
-  std::string data = "examples/data/corpus.tokens", hf_init, export_hf, schedule = "1f1b";
+  std::string model = "llama", data = "examples/data/corpus.tokens", hf_init, export_hf, schedule = "1f1b",
+              scoring = "softmax";
+  int64_t experts = 8, top_k = 2, moe_intermediate = 64, shared_experts = 0;
+  double aux_coef = 0.01, bias_rate = 0.001;
   int dp_replicate = 1, dp = -1, tp = 1, pp = 1, microbatches = 0;
   bool checkpoint_activations = false, sequence_parallel = false, check_unsharded = true;
   int64_t steps = 20, layers = 4, hidden = 64, heads = 4, kv_heads = 2, intermediate = 176, seq = 64, batch = 4,
@@ -76,7 +88,17 @@ Flags parse_flags(int argc, char** argv) {
     if (name == "--sequence-parallel") { f.sequence_parallel = true; continue; }
     if (i + 1 >= argc) throw std::invalid_argument(name + " expects a value");
     const std::string value = argv[++i];
-    if (name == "--model") { if (value != "llama") throw std::invalid_argument("--model: this program trains llama"); }
+    if (name == "--model") {
+      if (value != "llama" && value != "moe") throw std::invalid_argument("--model expects llama or moe (got '" + value + "')");
+      f.model = value;
+    }
+    else if (name == "--scoring") f.scoring = value;
+    else if (name == "--experts") f.experts = parse_int_flag(name, value, 1);
+    else if (name == "--top-k") f.top_k = parse_int_flag(name, value, 1);
+    else if (name == "--moe-intermediate") f.moe_intermediate = parse_int_flag(name, value, 1);
+    else if (name == "--shared-experts") f.shared_experts = parse_int_flag(name, value, 0);
+    else if (name == "--aux-coef") f.aux_coef = parse_double_flag(name, value, 0.0);
+    else if (name == "--bias-rate") f.bias_rate = parse_double_flag(name, value, 0.0);
     else if (name == "--data") f.data = value;
     else if (name == "--hf-init") f.hf_init = value;
     else if (name == "--export-hf") f.export_hf = value;
@@ -115,12 +137,21 @@ fsdp::data::TokenDataset dataset(const std::shared_ptr<const fsdp::data::TokenFi
       file, fsdp::data::TokenDatasetOptions(f.seq).seed(f.seed).data_rank(data_rank).data_size(data_size));
 }
 
-int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
-  const auto file = std::make_shared<const fsdp::data::TokenFile>(f.data);
-  // The vocabulary padded so that every tp up to 8 splits it evenly ([Note: padded vocabulary]).
-  const int64_t vocab_multiple = std::lcm<int64_t>(8, f.tp);
-  fsdp::models::LlamaConfig config =
-      f.hf_init.empty() ? fsdp::models::LlamaConfig(file->vocab_size())
+// What the loop needs of a model: its spec, Hugging Face load and export, a description, its
+// FLOPs per token, and what runs after each optimizer step (the MoE's router bias).
+struct LanguageModel {
+  fsdp::parallel::ModelSpec spec;
+  int64_t vocab_size = 0;
+  std::string description;
+  double flops_per_token = 0;
+  std::function<void(fsdp::parallel::ParallelModel&, const std::string&)> load, save;
+  std::function<void(fsdp::parallel::ParallelModel&)> after_step;
+  std::function<void(fsdp::parallel::UnshardedReference&)> reference_after_step;
+};
+
+LanguageModel llama(const Flags& f, int64_t vocab, int64_t vocab_multiple, uint64_t init_seed) {
+  const fsdp::models::LlamaConfig config =
+      f.hf_init.empty() ? fsdp::models::LlamaConfig(vocab)
                               .hidden_size(f.hidden)
                               .intermediate_size(f.intermediate)
                               .num_hidden_layers(f.layers)
@@ -131,13 +162,92 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
                                                                  .original_max_position_embeddings = 1024})
                               .vocab_multiple(vocab_multiple)
                         : fsdp::models::read_llama_config(f.hf_init, vocab_multiple);
-  TORCH_CHECK(file->vocab_size() <= config.vocab_size(), "the token file '", f.data, "' has a vocabulary of ",
-              file->vocab_size(), " ids but the model's config has vocab_size ", config.vocab_size(),
+  LanguageModel m;
+  m.spec = fsdp::models::llama_model_spec(config, init_seed,
+                                          fsdp::models::LlamaParallel().sequence_parallel(f.sequence_parallel));
+  m.vocab_size = config.vocab_size();
+  char text[256];
+  std::snprintf(text, sizeof(text), "Llama, %" PRId64 " layers, hidden %" PRId64 ", %" PRId64 " heads (%" PRId64
+                " kv), intermediate %" PRId64 ", vocabulary %" PRId64 " (padded to %" PRId64 "), %.2fM parameters",
+                config.num_hidden_layers(), config.hidden_size(), config.num_attention_heads(), config.kv_heads(),
+                config.intermediate_size(), config.vocab_size(), config.padded_vocab_size(),
+                static_cast<double>(config.num_parameters()) / 1e6);
+  m.description = text;
+  m.flops_per_token = config.training_flops_per_token(f.seq);
+  m.load = [config](fsdp::parallel::ParallelModel& model, const std::string& dir) {
+    fsdp::models::load_llama_hf(model, config, dir);
+  };
+  m.save = [config](fsdp::parallel::ParallelModel& model, const std::string& dir) {
+    fsdp::models::export_llama_hf(model, config, dir);
+  };
+  return m;
+}
+
+LanguageModel moe(const Flags& f, int64_t vocab, int64_t vocab_multiple, uint64_t init_seed) {
+  TORCH_CHECK(f.scoring == "softmax" || f.scoring == "sigmoid", "--scoring expects softmax or sigmoid (got '",
+              f.scoring, "')");
+  const fsdp::models::MoeConfig config =
+      f.hf_init.empty() ? fsdp::models::MoeConfig(vocab)
+                              .hidden_size(f.hidden)
+                              .intermediate_size(f.intermediate)
+                              .moe_intermediate_size(f.moe_intermediate)
+                              .num_hidden_layers(f.layers)
+                              .num_attention_heads(f.heads)
+                              .num_key_value_heads(f.kv_heads)
+                              .max_position_embeddings(std::max<int64_t>(f.seq, 2048))
+                              .num_experts(f.experts)
+                              .num_experts_per_tok(f.top_k)
+                              .norm_topk_prob(true)
+                              .n_shared_experts(f.shared_experts)
+                              .scoring_func(f.scoring)
+                              .router_bias_update_rate(f.scoring == "sigmoid" ? f.bias_rate : 0.0)
+                              .output_router_logits(f.aux_coef > 0)
+                              .router_aux_loss_coef(f.aux_coef)
+                              .vocab_multiple(vocab_multiple)
+                        : fsdp::models::read_moe_config(f.hf_init, vocab_multiple);
+  LanguageModel m;
+  m.spec = fsdp::models::moe_model_spec(config, init_seed);
+  m.vocab_size = config.vocab_size();
+  char text[320];
+  std::snprintf(text, sizeof(text), "Qwen3-MoE, %" PRId64 " layers (%" PRId64 " with experts), hidden %" PRId64
+                ", %" PRId64 " heads (%" PRId64 " kv), %" PRId64 " experts of %" PRId64 ", top-%" PRId64
+                " (%s scores), %" PRId64 " shared, aux-loss coefficient %.3g, vocabulary %" PRId64,
+                config.num_hidden_layers(), config.num_sparse_layers(), config.hidden_size(),
+                config.num_attention_heads(), config.kv_heads(), config.num_experts(), config.moe_intermediate_size(),
+                config.num_experts_per_tok(), config.scoring_func().c_str(), config.n_shared_experts(),
+                config.has_aux_loss() ? config.router_aux_loss_coef() : 0.0, config.vocab_size());
+  m.description = text;
+  m.flops_per_token = config.training_flops_per_token(f.seq);
+  m.load = [config](fsdp::parallel::ParallelModel& model, const std::string& dir) {
+    fsdp::models::load_moe_hf(model, config, dir);
+  };
+  m.save = [config](fsdp::parallel::ParallelModel& model, const std::string& dir) {
+    fsdp::models::export_moe_hf(model, config, dir);
+  };
+  if (config.has_score_correction_bias() && config.router_bias_update_rate() > 0) {
+    m.after_step = [](fsdp::parallel::ParallelModel& model) { fsdp::models::update_moe_router_bias(model); };
+    m.reference_after_step = [](fsdp::parallel::UnshardedReference& reference) {
+      for (const auto& part : reference.parts()) {
+        auto& whole = dynamic_cast<fsdp::models::MoeForCausalLMImpl&>(*part.module);
+        whole.update_router_bias(whole.router_loads());  // one process sees every data rank's tokens
+      }
+    };
+  }
+  return m;
+}
+
+int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
+  const auto file = std::make_shared<const fsdp::data::TokenFile>(f.data);
+  // The vocabulary padded so that every tp up to 8 splits it evenly ([Note: padded vocabulary]).
+  const int64_t vocab_multiple = std::lcm<int64_t>(8, f.tp);
+  const uint64_t init_seed = f.seed + 1;
+  const LanguageModel lm = f.model == "moe" ? moe(f, file->vocab_size(), vocab_multiple, init_seed)
+                                            : llama(f, file->vocab_size(), vocab_multiple, init_seed);
+  TORCH_CHECK(file->vocab_size() <= lm.vocab_size, "the token file '", f.data, "' has a vocabulary of ",
+              file->vocab_size(), " ids but the model's config has vocab_size ", lm.vocab_size,
               (f.hf_init.empty() ? "" : " ('" + f.hf_init + "/config.json')"),
               ": tokens of another tokenizer would index past the embedding");
-  const uint64_t init_seed = f.seed + 1;
-  const fsdp::parallel::ModelSpec spec = fsdp::models::llama_model_spec(
-      config, init_seed, fsdp::models::LlamaParallel().sequence_parallel(f.sequence_parallel));
+  const fsdp::parallel::ModelSpec& spec = lm.spec;
   const auto options = fsdp::parallel::ParallelOptions()
                            .dims({.dp_replicate = f.dp_replicate, .dp_shard = f.dp, .tp = f.tp, .pp = f.pp})
                            .schedule(fsdp::pipeline::parse_schedule(f.schedule))
@@ -145,22 +255,18 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
                            .checkpoint_activations(f.checkpoint_activations)
                            .seed(f.seed);
   auto model = fsdp::parallel::parallelize(group.comm, spec, options);
-  if (!f.hf_init.empty()) fsdp::models::load_llama_hf(model, config, f.hf_init);
+  if (!f.hf_init.empty()) lm.load(model, f.hf_init);
   const auto& mesh = model.mesh();
   const bool main_rank = group.comm->rank() == 0;
   const int world = group.comm->size();
-  const double flops_per_token = config.training_flops_per_token(f.seq);
+  const double flops_per_token = lm.flops_per_token;
   if (main_rank) {
-    std::printf("train_llama: %s\n", model.describe().c_str());
-    std::printf("model: Llama, %" PRId64 " layers, hidden %" PRId64 ", %" PRId64 " heads (%" PRId64
-                " kv), intermediate %" PRId64 ", vocabulary %" PRId64 " (padded to %" PRId64 "), %.2fM parameters%s\n"
+    std::printf("train_lm: %s\n", model.describe().c_str());
+    std::printf("model: %s%s\n"
                 "data: %s, %" PRId64 " tokens; batch %" PRId64 " x %" PRId64 " tokens per data rank, %d data ranks\n"
                 "MFU: %.3g GFLOP per token (6N + attention) against a stated peak of %.3g TFLOP/s per rank\n\n",
-                config.num_hidden_layers(), config.hidden_size(), config.num_attention_heads(), config.kv_heads(),
-                config.intermediate_size(), config.vocab_size(), config.padded_vocab_size(),
-                static_cast<double>(config.num_parameters()) / 1e6,
-                f.hf_init.empty() ? "" : (", from " + f.hf_init).c_str(), f.data.c_str(), file->num_tokens(), f.batch,
-                f.seq, mesh.data_world(), flops_per_token / 1e9, f.peak_tflops);
+                lm.description.c_str(), f.hf_init.empty() ? "" : (", from " + f.hf_init).c_str(), f.data.c_str(),
+                file->num_tokens(), f.batch, f.seq, mesh.data_world(), flops_per_token / 1e9, f.peak_tflops);
     std::fflush(stdout);
   }
   // The optimizer and the data: by data rank, never by world rank.
@@ -173,6 +279,7 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
     const at::Tensor loss = model.forward_backward(b.inputs, b.targets);
     const double norm = f.clip > 0 ? model.clip_grad_norm_(f.clip) : 0.0;
     optim.step();
+    if (lm.after_step) lm.after_step(model);
     model.zero_grad();
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     losses.push_back(model.global_loss(loss));
@@ -185,7 +292,7 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
     }
   }
   if (!f.export_hf.empty()) {
-    fsdp::models::export_llama_hf(model, config, f.export_hf);
+    lm.save(model, f.export_hf);
     if (main_rank) std::printf("\nexported to %s (transformers.AutoModelForCausalLM.from_pretrained loads it)\n", f.export_hf.c_str());
   }
   if (!f.check_unsharded || !main_rank) return 0;
@@ -195,9 +302,11 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
     torch::NoGradGuard no_grad;
     const auto weights = fsdp::load_safetensors(f.hf_init);
     for (const auto& part : reference.parts()) {
-      for (auto& item : part.module->named_parameters()) {
+      auto values = part.module->named_parameters();
+      for (const auto& item : part.module->named_buffers()) values.insert(item.key(), item.value());  // router biases
+      for (auto& item : values) {
         const at::Tensor* w = weights.find(item.key());
-        TORCH_CHECK(w != nullptr, "train_llama: '", f.hf_init, "' has no '", item.key(), "'");
+        TORCH_CHECK(w != nullptr, "'", f.hf_init, "' has no '", item.key(), "'");
         item.value().narrow(0, 0, w->size(0)).copy_(*w);  // the padding rows stay zero
       }
     }
@@ -213,11 +322,12 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
           global.push_back({b.inputs, b.targets});
         }
         return global;
-      });
+      },
+      lm.reference_after_step);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  return fsdp::examples::example_main<Flags>("train_llama", kUsage, argc, argv, parse_flags, run);
+  return fsdp::examples::example_main<Flags>("train_lm", kUsage, argc, argv, parse_flags, run);
 }

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The Llama example end to end: trained from scratch on the shipped token file at dp=2 and exported
+# The language-model example end to end: a Llama trained from scratch on the shipped token file at dp=2 and exported
 # as a Hugging Face folder, then started from that folder at (dp, tp) = (2, 2) and (pp, dp) =
-# (2, 2); every run's losses match the same training unsharded on one process.
+# (2, 2); a Qwen3-MoE the same way; every run's losses match the same training unsharded on one
+# process.
 # README's program (examples/llama_finetune.cc) fine-tunes the export at (dp, tp) = (2, 2).
-# usage: train_llama_test.sh TRAIN_LLAMA TOKEN_FILE STEPS_SH LLAMA_FINETUNE
+# usage: train_lm_test.sh TRAIN_LM TOKEN_FILE STEPS_SH LLAMA_FINETUNE
 set -u
 main="$1"; tokens="$2"; finetune="$4"
 source "$3"
@@ -11,7 +12,7 @@ export OMPI_MCA_rmaps_base_oversubscribe=1
 run() {
   local log="$work/run.log"
   mpi "$@" > "$log" 2>&1; local rc=$?
-  grep -E "^(step|final|exported|train_llama)" "$log"
+  grep -E "^(step|final|exported|train_lm)" "$log"
   [ $rc -eq 0 ] && grep -q "match$" "$log"
 }
 step "from scratch at dp=2, exported" run 2 "$main" --data "$tokens" --steps 10 --export-hf "$work/hf"
@@ -35,6 +36,11 @@ refused() {
   [ "$(grep -c "key 'model_type' is \"gpt2\", expected \"llama\"" "$log")" -ge 1 ]
 }
 step "a folder of another architecture is refused, naming the key" refused
+step "MoE from scratch at (pp, dp) = (2, 2): sigmoid scores, bias updates, a shared expert, aux loss; exported" \
+  run 4 "$main" --model moe --data "$tokens" --steps 6 --pp 2 --dp 2 --scoring sigmoid --shared-experts 1 \
+  --export-hf "$work/moe"
+step "MoE from its export at (dp, tp) = (2, 2)" run 4 "$main" --model moe --data "$tokens" --steps 4 --dp 2 --tp 2 \
+  --scoring sigmoid --shared-experts 1 --hf-init "$work/moe"
 vocab_refused() {
   local log="$work/vocab.log"
   mkdir -p "$work/small" && cp "$work/hf/model.safetensors" "$work/small/"
@@ -44,4 +50,4 @@ vocab_refused() {
   [ "$(grep -c "has a vocabulary of 512 ids but the model's config has vocab_size 100" "$log")" -eq 2 ]
 }
 step "a token file of a larger vocabulary than the folder's config is refused on every rank" vocab_refused
-finish train_llama_test
+finish train_lm_test
