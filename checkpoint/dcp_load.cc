@@ -96,10 +96,48 @@ struct CheckpointIndex {
 
 std::string path_of(const CheckpointIndex& index, int f) { return join_path(index.dir, index.file_names[f]); }
 
+// What a JSON value is, for error messages, without serializing a nested value (dump() recurses).
+std::string describe(const json& value) {
+  if (value.is_array()) return "an array of " + std::to_string(value.size()) + " values";
+  if (value.is_object()) return "an object of " + std::to_string(value.size()) + " members";
+  std::string text = value.dump();
+  return text.size() > 80 ? text.substr(0, 77) + "..." : text;
+}
+
+// JSON nested deeper than this (arrays and objects) is refused before it is parsed: a manifest
+// nests 5 deep, DCP_SHARDING_INFO 3; nlohmann's dump(), copies and comparisons recurse.
+constexpr int kMaxJsonNesting = 128;
+
+// Whether JSON text nests arrays or objects deeper than kMaxJsonNesting (brackets in strings not
+// counted).
+bool nests_too_deep(const std::string& text) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if ((c == '{' || c == '[') && ++depth > kMaxJsonNesting) {
+      return true;
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
+  return false;
+}
+
 // Parses a file's DCP_SHARDING_INFO ({key: {"saved_offsets": [...]}}; null when absent).
 json sharding_info(const storage::SafetensorsHeader& header, const char* api) {
   const auto info = header.metadata.find(kShardingInfoKey);
   if (info == header.metadata.end()) return json();
+  TORCH_CHECK(!nests_too_deep(info->second), api, ": the ", kShardingInfoKey, " metadata of '", header.path,
+              "' nests arrays or objects more than ", kMaxJsonNesting, " deep");
   try {
     return json::parse(info->second);
   } catch (const json::exception& e) {
@@ -109,15 +147,48 @@ json sharding_info(const storage::SafetensorsHeader& header, const char* api) {
   return json();
 }
 
+// A JSON array of integers in [0, INT64_MAX] (offsets, sizes, shapes of a checkpoint's boxes), or
+// nullopt when `value` is anything else (a float, a negative or larger number, not an array):
+// nlohmann's get<std::vector<int64_t>>() would convert floats and wrap large unsigned values.
+std::optional<std::vector<int64_t>> non_negative_ints(const json& value) {
+  if (!value.is_array()) return std::nullopt;
+  std::vector<int64_t> out;
+  out.reserve(value.size());
+  for (const auto& v : value) {
+    if (v.is_number_unsigned()) {
+      if (v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return std::nullopt;
+      out.push_back(static_cast<int64_t>(v.get<uint64_t>()));
+    } else if (v.is_number_integer() && v.get<int64_t>() >= 0) {
+      out.push_back(v.get<int64_t>());
+    } else {
+      return std::nullopt;
+    }
+  }
+  return out;
+}
+
+// Whether offsets + sizes stays within int64 in every dimension (a box's end is computed from them).
+bool box_end_fits(const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes) {
+  for (size_t d = 0; d < offsets.size() && d < sizes.size(); ++d) {
+    if (offsets[d] > std::numeric_limits<int64_t>::max() - sizes[d]) return false;
+  }
+  return true;
+}
+
 std::vector<int64_t> saved_offsets(const json& sharding, const storage::SafetensorsEntry& entry,
                                    const std::string& path, const char* api) {
   if (!sharding.is_object()) return std::vector<int64_t>(entry.shape.size(), 0);
   TORCH_CHECK(sharding.contains(entry.key) && sharding[entry.key].contains(kSavedOffsetsKey), api, ": '", path,
               "' has no ", kShardingInfoKey, " entry for its key '", entry.key, "'");
-  auto offsets = sharding[entry.key][kSavedOffsetsKey].get<std::vector<int64_t>>();
-  TORCH_CHECK(offsets.size() == entry.shape.size(), api, ": '", path, "': key '", entry.key, "' has shape ",
-              shape_string(entry.shape), " but saved offsets ", shape_string(offsets));
-  return offsets;
+  const json& value = sharding[entry.key][kSavedOffsetsKey];
+  const auto offsets = non_negative_ints(value);
+  TORCH_CHECK(offsets.has_value(), api, ": '", path, "': the ", kSavedOffsetsKey, " of key '", entry.key, "' in its ",
+              kShardingInfoKey, " metadata must be a list of non-negative integers, found ", describe(value));
+  TORCH_CHECK(offsets->size() == entry.shape.size(), api, ": '", path, "': key '", entry.key, "' has shape ",
+              shape_string(entry.shape), " but saved offsets ", shape_string(*offsets));
+  TORCH_CHECK(box_end_fits(*offsets, entry.shape), api, ": '", path, "': key '", entry.key, "' has saved offsets ",
+              shape_string(*offsets), " too large for its shape ", shape_string(entry.shape));
+  return *offsets;
 }
 
 // Opens file `f` (once), checking it against the manifest when there is one: its byte size, and
@@ -204,18 +275,27 @@ CheckpointIndex open_checkpoint(const std::string& dir, const char* api) {
   index.has_manifest = true;
   json manifest;
   try {
-    manifest = json::parse(storage::read_file(manifest_path));
+    const std::string text = storage::read_file(manifest_path);
+    TORCH_CHECK(!nests_too_deep(text), api, ": the manifest '", manifest_path, "' nests arrays or objects more than ",
+                kMaxJsonNesting, " deep");
+    manifest = json::parse(text);
   } catch (const json::exception& e) {
     TORCH_CHECK(false, api, ": the manifest '", manifest_path, "' is not valid JSON: ", e.what());
   }
   try {
     TORCH_CHECK(manifest.at("format").get<std::string>() == kFormatName, api, ": '", manifest_path,
-                "' is not a checkpoint manifest of this library (format '", manifest.at("format").dump(), "')");
+                "' is not a checkpoint manifest of this library (format ", describe(manifest.at("format")), ")");
     const int version = manifest.at("version").get<int>();
     TORCH_CHECK(version <= kFormatVersion, api, ": '", manifest_path, "' has format version ", version,
                 ", newer than this library reads (", kFormatVersion, ")");
     for (const auto& f : manifest.at("files")) {
-      index.file_names.push_back(f.at(0).get<std::string>());
+      const std::string name = f.at(0).get<std::string>();
+      // A name of a file in the folder: the manifest must not make a load read files elsewhere.
+      TORCH_CHECK(!name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
+                      name.find('\0') == std::string::npos,
+                  api, ": the manifest '", manifest_path, "' lists the file '", name,
+                  "', which is not the name of a file in the checkpoint folder");
+      index.file_names.push_back(name);
       index.file_bytes.push_back(f.at(1).get<int64_t>());
     }
     index.files.resize(index.file_names.size());
@@ -226,17 +306,34 @@ CheckpointIndex open_checkpoint(const std::string& dir, const char* api) {
       const std::string key = record.at(0).get<std::string>();
       KeyIndex k;
       k.dtype = storage::scalar_type_from_safetensors(record.at(1).get<std::string>(), manifest_path);
-      k.shape = record.at(2).get<std::vector<int64_t>>();
+      const auto shape = non_negative_ints(record.at(2));
+      int64_t numel = 1;
+      bool overflow = false;
+      for (const int64_t d : shape.value_or(std::vector<int64_t>{})) overflow |= __builtin_mul_overflow(numel, d, &numel);
+      TORCH_CHECK(shape.has_value() && !overflow, api, ": key '", key, "' has the shape ", describe(record.at(2)),
+                  " in the manifest '", manifest_path, "' (a list of non-negative sizes whose product fits in int64 "
+                  "expected)");
+      k.shape = *shape;
       for (const auto& box : record.at(3)) {
         Piece piece;
-        piece.file = box.at(0).get<int>();
-        TORCH_CHECK(piece.file >= 0 && piece.file < static_cast<int>(index.file_names.size()), api, ": key '", key,
-                    "' names file ", piece.file, " in the manifest '", manifest_path, "', which lists ",
-                    index.file_names.size());
-        piece.box.offsets = box.at(1).get<std::vector<int64_t>>();
-        piece.box.sizes = box.at(2).get<std::vector<int64_t>>();
-        TORCH_CHECK(piece.box.offsets.size() == k.shape.size() && piece.box.sizes.size() == k.shape.size(), api,
-                    ": key '", key, "' has a box of another rank than its shape in the manifest '", manifest_path, "'");
+        const json& file = box.at(0);
+        TORCH_CHECK(file.is_number_integer() && file.get<int64_t>() >= 0 &&
+                        file.get<int64_t>() < static_cast<int64_t>(index.file_names.size()),
+                    api, ": key '", key, "' names file ", describe(file), " in the manifest '", manifest_path,
+                    "', which lists ", index.file_names.size());
+        piece.file = static_cast<int>(file.get<int64_t>());
+        const auto offsets = non_negative_ints(box.at(1));
+        const auto sizes = non_negative_ints(box.at(2));
+        TORCH_CHECK(offsets && sizes && offsets->size() == k.shape.size() && sizes->size() == k.shape.size(), api,
+                    ": key '", key, "' has a box that is not two lists of ", k.shape.size(),
+                    " non-negative integers (the rank of its shape) in the manifest '", manifest_path, "'");
+        for (size_t d = 0; d < k.shape.size(); ++d) {
+          TORCH_CHECK((*sizes)[d] <= k.shape[d] && (*offsets)[d] <= k.shape[d] - (*sizes)[d], api, ": key '", key,
+                      "' of shape ", shape_string(k.shape), " has a box at offsets ", shape_string(*offsets),
+                      " of sizes ", shape_string(*sizes), " outside it in the manifest '", manifest_path, "'");
+        }
+        piece.box.offsets = *offsets;
+        piece.box.sizes = *sizes;
         k.pieces.push_back(std::move(piece));
       }
       TORCH_CHECK(index.keys.emplace(key, std::move(k)).second, api, ": key '", key, "' is listed twice in '",
@@ -260,6 +357,24 @@ struct Read {
   int64_t dst;
   int64_t length;
 };
+
+// An Extra tensor is allocated with the shape the checkpoint declares, before its values are read:
+// refuse one that needs more bytes than the data of the files holding its boxes (opened here, so
+// their sizes are checked against the manifest), so that a corrupt or hostile manifest cannot make
+// a load allocate more memory than the checkpoint holds.
+void check_extra_fits(const CheckpointIndex& index, const std::string& key, const KeyIndex& k, const char* api) {
+  int64_t bytes = static_cast<int64_t>(c10::elementSize(k.dtype));
+  bool overflow = false;
+  for (const int64_t d : k.shape) overflow |= d < 0 || __builtin_mul_overflow(bytes, d, &bytes);
+  std::set<int> files;
+  int64_t available = 0;
+  for (const Piece& piece : k.pieces) {
+    if (files.insert(piece.file).second) available += index.open_file(piece.file, api).header().data_size;
+  }
+  TORCH_CHECK(!overflow && bytes <= available, api, ": the Extra tensor '", key, "' of the checkpoint '", index.dir,
+              "' is declared as ", storage::safetensors_dtype_name(k.dtype), " ", shape_string(k.shape),
+              ", more than the ", available, " bytes of data in the files holding it");
+}
 
 // Bytes [begin, end) of a piece's entry whose checksums a load verifies.
 struct Span {
@@ -711,9 +826,10 @@ void verify_spans(const CheckpointIndex& index, const std::vector<Target>& targe
       ahead -= span->end - span->begin;
     } else {
       const std::string& path = file.header().path;
-      TORCH_CHECK(static_cast<int64_t>(entry.crc32c.size()) == (entry.nbytes() + block - 1) / block, "'", path,
-                  "': entry '", entry.key, "' has ", entry.crc32c.size(), " checksums, expected ",
-                  (entry.nbytes() + block - 1) / block);
+      // (Blocks counted without overflow: a file's header may declare any block size.)
+      const int64_t blocks = entry.nbytes() / block + (entry.nbytes() % block != 0 ? 1 : 0);
+      TORCH_CHECK(static_cast<int64_t>(entry.crc32c.size()) == blocks, "'", path, "': entry '", entry.key, "' has ",
+                  entry.crc32c.size(), " checksums, expected ", blocks);
       for (int64_t b = span->begin / block; b <= (span->end - 1) / block; ++b) {
         const int64_t block_begin = b * block;
         const int64_t block_end = std::min(block_begin + block, entry.nbytes());
@@ -919,6 +1035,7 @@ int64_t load_request(const char* api, const std::string& dir, const LoadRequest&
         if (!key.starts_with(kExtraPrefix) || used.count(key)) continue;
         const std::string name = key.substr(std::string(kExtraPrefix).size());
         if (index->extra_tensor_names && !index->extra_tensor_names->count(name)) continue;
+        check_extra_fits(*index, key, value, api);
         at::Tensor t = at::empty(value.shape, at::TensorOptions().dtype(value.dtype));
         extra_tensors.emplace_back(name, t);
         LocalShard shard;

@@ -1,10 +1,15 @@
 #include "fsdp_cpp/checkpoint/full_state_dict_files.h"
 
 #include <cstdio>
+#include <cstring>
 #include <algorithm>
 #include <filesystem>
+#include <limits>
+#include <memory>
 #include <regex>
 #include <set>
+#include <sstream>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -28,6 +33,64 @@ using ordered_json = nlohmann::ordered_json;
 
 constexpr const char* kSingleFile = "model.safetensors";
 constexpr const char* kIndexFile = "model.safetensors.index.json";
+// Deepest nesting of arrays and objects accepted in an index (a valid one nests 2 deep): nlohmann's
+// ordered_json copies an object's members when the object grows, recursively, so a value nested
+// a hundred thousand deep overflowed the stack while the index was parsed (found by tools/fuzz).
+constexpr int kMaxIndexNesting = 128;
+
+// The deepest nesting of arrays and objects in JSON text (brackets in strings not counted),
+// stopping as soon as it exceeds `limit`.
+int json_nesting(const std::string& text, int limit) {
+  int depth = 0, deepest = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size() && deepest <= limit; ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
+// The path of the safetensors file `name` that an index lists, in the index's folder `dir`: a
+// relative path to a regular file inside that folder, so that an index cannot make a load read a
+// file elsewhere ('/etc/passwd', '../x') or a folder (found by tools/fuzz: "/" was opened).
+std::string listed_file(const fs::path& dir, const std::string& name, const std::string& index_path,
+                        const std::string& api) {
+  const fs::path relative(name);
+  bool inside = !name.empty() && relative.is_relative() && name.find('\0') == std::string::npos;
+  for (const auto& part : relative) inside = inside && part != "..";
+  const std::string path = (dir / relative).string();
+  TORCH_CHECK(inside, api, ": '", index_path, "' lists the file '", name,
+              "', which is not a path inside the index's folder");
+  TORCH_CHECK(storage::exists(path), api, ": '", path, "' (listed in '", index_path, "') is missing");
+  std::error_code error;
+  TORCH_CHECK(fs::is_regular_file(path, error), api, ": '", path, "' (listed in '", index_path,
+              "') is not a regular file");
+  return path;
+}
+
+// The index as JSON (errors name `api` and the file).
+ordered_json parse_index(const std::string& text, const std::string& index_path, const std::string& api) {
+  TORCH_CHECK(json_nesting(text, kMaxIndexNesting) <= kMaxIndexNesting, api, ": '", index_path,
+              "' nests arrays or objects more than ", kMaxIndexNesting, " deep: not a safetensors index");
+  try {
+    return ordered_json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, api, ": '", index_path, "' is not valid JSON: ", e.what());
+  }
+  return ordered_json();
+}
 
 std::string sharded_name(size_t index, size_t count) {
   char buf[64];
@@ -70,12 +133,7 @@ FullStateDict load_single(const std::string& path, const char* api) {
 }
 
 FullStateDict load_index(const std::string& index_path, const char* api) {
-  ordered_json index;
-  try {
-    index = ordered_json::parse(storage::read_file(index_path));
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, api, ": '", index_path, "' is not valid JSON: ", e.what());
-  }
+  ordered_json index = parse_index(storage::read_file(index_path), index_path, api);
   TORCH_CHECK(index.contains("weight_map") && index["weight_map"].is_object(), api, ": '", index_path,
               "' has no \"weight_map\" object");
   const fs::path dir = fs::path(index_path).parent_path();
@@ -92,9 +150,7 @@ FullStateDict load_index(const std::string& index_path, const char* api) {
   }
   FullStateDict by_file;
   for (const auto& [name, keys] : files) {
-    const std::string path = (dir / name).string();
-    TORCH_CHECK(storage::exists(path), api, ": '", path, "' (listed in '", index_path, "') is missing");
-    storage::SafetensorsFile file(path);
+    storage::SafetensorsFile file(listed_file(dir, name, index_path, api));
     read_entries_into(file, keys, by_file, api);
   }
   FullStateDict state;
@@ -124,7 +180,215 @@ std::vector<char> pickle_untagged(const c10::IValue& value) {
   return archive;
 }
 
+// The most a zip record may expand (deflate's largest ratio is about 1032:1): a record declaring a
+// larger uncompressed size than that many times the archive is refused before LibTorch allocates
+// its declared size.
+constexpr uint64_t kMaxRecordExpansion = 1032;
+
+// Checks the archive's record sizes and its pickle ([Note: pickle pre-check]) before LibTorch reads
+// them.
+void check_pt_archive(const std::string& bytes, const std::string& path, const char* api) {
+  std::string pickle;
+  std::string too_large;  // a record declaring more bytes than the archive can hold
+  try {
+    std::istringstream in(bytes);
+    caffe2::serialize::PyTorchStreamReader reader(&in);
+    for (const auto& name : reader.getAllRecords()) {
+      const uint64_t size = reader.getRecordSize(name);
+      if (too_large.empty() && size > kMaxRecordExpansion * bytes.size()) {
+        too_large = "the zip record '" + name + "' declares " + std::to_string(size) + " bytes, more than an archive of " +
+                    std::to_string(bytes.size()) + " bytes can hold";
+      }
+    }
+    if (too_large.empty() && reader.hasRecord("data.pkl")) {
+      const auto [data, size] = reader.getRecord("data.pkl");
+      pickle.assign(static_cast<const char*>(data.get()), size);
+    } else if (too_large.empty()) {
+      too_large = "it is a zip archive without data.pkl: not a file of torch.save";
+    }
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, api, ": cannot read '", path, "' as a .pt archive: ", e.what_without_backtrace());
+  } catch (const std::exception& e) {  // e.g. std::invalid_argument "stoull": a version record not a number
+    TORCH_CHECK(false, api, ": cannot read '", path, "' as a .pt archive: ", e.what());
+  }
+  TORCH_CHECK(too_large.empty(), api, ": '", path, "': ", too_large);
+  check_pt_pickle(pickle.data(), pickle.size(), std::string(api) + ": '" + path + "'");
+}
+
 }  // namespace
+
+// [Note: pickle pre-check] LibTorch's Unpickler trusts the structure of what it reads: a string's
+// declared length is allocated (and zero-filled) before its bytes are read (a 3 KB file made
+// fsdp::load_pt allocate gigabytes), a LONG_BINPUT index grows the memo table to that index, DICT
+// and SETITEMS read their items in pairs (one past the end of the stack for an odd count), a mark
+// above the stack underflows a size, and nested tuples and lists are destroyed recursively (one
+// byte per level, TUPLE1, overflows the stack). So the pickle is walked first, building no value,
+// with the stack effects of Python's pickletools: every opcode known, every argument inside the
+// data, no opcode taking more values than the stack holds above the innermost mark, dict items in
+// pairs, memo indexes below the pickle's size, containers nested at most kMaxPickleNesting deep
+// (tracked per stack slot), and a STOP. What passes is then read by LibTorch's unpickler, whose
+// own checks (types, globals, storages, sizes against storages) still apply.
+void check_pt_pickle(const char* data, size_t size, const std::string& context) {
+  constexpr int kMaxPickleNesting = 1000;
+  std::vector<int> stack;     // per value: how deeply it nests containers (0: not a container)
+  std::vector<size_t> marks;  // stack sizes at each MARK
+  std::unordered_map<uint64_t, int> memo;
+  uint64_t memoized = 0;      // MEMOIZE's next index
+  size_t pos = 0;
+  size_t at = 0;  // the current opcode's offset
+  const auto fail = [&](const std::string& why) {
+    TORCH_CHECK(false, context, ": malformed pickle (data.pkl, byte ", at, "): ", why);
+  };
+  const auto need = [&](uint64_t n) {
+    if (n > size - pos) fail("an argument runs past the end of the pickle");
+  };
+  const auto read_uint = [&](int width) {
+    need(static_cast<uint64_t>(width));
+    uint64_t v = 0;
+    for (int b = width; b-- > 0;) v = (v << 8) | static_cast<unsigned char>(data[pos + static_cast<size_t>(b)]);
+    pos += static_cast<size_t>(width);
+    return v;
+  };
+  const auto skip_bytes = [&](uint64_t n) {
+    need(n);
+    pos += static_cast<size_t>(n);
+  };
+  const auto skip_line = [&] {
+    const void* nl = pos < size ? std::memchr(data + pos, '\n', size - pos) : nullptr;
+    if (nl == nullptr) fail("a text argument has no end of line");
+    pos = static_cast<size_t>(static_cast<const char*>(nl) - data) + 1;
+  };
+  const auto floor = [&] { return marks.empty() ? size_t{0} : marks.back(); };
+  const auto push = [&](int nesting) {
+    if (nesting > kMaxPickleNesting) fail("containers nest more than " + std::to_string(kMaxPickleNesting) + " deep");
+    stack.push_back(nesting);
+  };
+  // Pops n values above the innermost mark; returns their deepest nesting.
+  const auto pop = [&](size_t n) {
+    if (stack.size() < floor() + n) fail("an opcode takes more values than the stack holds above its mark");
+    int deepest = 0;
+    for (size_t i = 0; i < n; ++i) {
+      deepest = std::max(deepest, stack.back());
+      stack.pop_back();
+    }
+    return deepest;
+  };
+  // Pops the innermost mark and the values above it: (their deepest nesting, their count).
+  const auto pop_mark = [&] {
+    if (marks.empty()) fail("an opcode needs a MARK and there is none");
+    const size_t mark = marks.back();
+    marks.pop_back();
+    int deepest = 0;
+    for (size_t i = mark; i < stack.size(); ++i) deepest = std::max(deepest, stack[i]);
+    const size_t count = stack.size() - mark;
+    stack.resize(mark);
+    return std::make_pair(deepest, count);
+  };
+  // The container under the mark (or under the popped values) takes values nested `nesting` deep.
+  const auto extend_top = [&](int nesting) {
+    if (stack.size() <= floor()) fail("no container to add the values to");
+    stack.back() = std::max(stack.back(), nesting + 1);
+    if (stack.back() > kMaxPickleNesting) fail("containers nest more than " + std::to_string(kMaxPickleNesting) + " deep");
+  };
+  const auto memo_put = [&](uint64_t index) {
+    if (stack.empty()) fail("a memo opcode with an empty stack");
+    if (index >= size) fail("memo index " + std::to_string(index) + " is larger than the pickle");
+    memo[index] = stack.back();
+  };
+  const auto memo_get = [&](uint64_t index) {
+    const auto it = memo.find(index);
+    push(it == memo.end() ? 0 : it->second);
+  };
+  while (true) {
+    at = pos;
+    if (pos >= size) fail("it ends without a STOP opcode");
+    const auto op = static_cast<unsigned char>(data[pos++]);
+    switch (op) {
+      case '.': return;                                    // STOP
+      case 0x80: read_uint(1); break;                      // PROTO
+      case 0x95: read_uint(8); break;                      // FRAME (its length only groups opcodes)
+      case '(': marks.push_back(stack.size()); break;      // MARK
+      case 'N': case 0x88: case 0x89: push(0); break;      // None, True, False
+      case ']': case ')': case '}': case 0x8f: push(1); break;  // empty list, tuple, dict, set
+      case 'K': case 0x82: read_uint(1); push(0); break;
+      case 'M': case 0x83: read_uint(2); push(0); break;
+      case 'J': case 0x84: read_uint(4); push(0); break;
+      case 'G': read_uint(8); push(0); break;              // BINFLOAT
+      case 0x8a: case 'U': case 'C': case 0x8c: skip_bytes(read_uint(1)); push(0); break;  // 1-byte length
+      case 'X': case 'B': skip_bytes(read_uint(4)); push(0); break;                         // 4-byte length
+      case 'T': case 0x8b: {                                                                // signed 4-byte length
+        const uint64_t n = read_uint(4);
+        if (n > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) fail("a negative length");
+        skip_bytes(n);
+        push(0);
+        break;
+      }
+      case 0x8d: case 0x8e: case 0x96: skip_bytes(read_uint(8)); push(0); break;           // 8-byte length
+      case 'I': case 'L': case 'F': case 'S': case 'V': case 'P': case 'g': skip_line(); push(0); break;
+      case 'p': skip_line(); if (stack.empty()) fail("PUT with an empty stack"); break;
+      case 'c': skip_line(); skip_line(); push(0); break;  // GLOBAL
+      case 'i': {                                          // INST
+        skip_line();
+        skip_line();
+        push(pop_mark().first + 1);
+        break;
+      }
+      case 'h': memo_get(read_uint(1)); break;             // BINGET
+      case 'j': memo_get(read_uint(4)); break;             // LONG_BINGET
+      case 'q': memo_put(read_uint(1)); break;             // BINPUT
+      case 'r': memo_put(read_uint(4)); break;             // LONG_BINPUT
+      case 0x94: memo_put(memoized++); break;              // MEMOIZE
+      case '0':                                            // POP (a value, or a mark on top)
+        if (stack.size() > floor()) {
+          stack.pop_back();
+        } else if (!marks.empty()) {
+          marks.pop_back();
+        } else {
+          fail("POP with an empty stack");
+        }
+        break;
+      case '1': pop_mark(); break;                         // POP_MARK
+      case '2': if (stack.size() <= floor()) fail("DUP with an empty stack"); push(stack.back()); break;
+      case 't': case 'l': case 0x91: push(pop_mark().first + 1); break;  // TUPLE, LIST, FROZENSET
+      case 'o': {                                          // OBJ
+        const auto [deepest, count] = pop_mark();
+        if (count < 1) fail("OBJ without a class");
+        push(deepest + 1);
+        break;
+      }
+      case 'd': {                                          // DICT
+        const auto [deepest, count] = pop_mark();
+        if (count % 2 != 0) fail("a dict of an odd number of keys and values");
+        push(deepest + 1);
+        break;
+      }
+      case 'u': {                                          // SETITEMS
+        const auto [deepest, count] = pop_mark();
+        if (count % 2 != 0) fail("SETITEMS with an odd number of keys and values");
+        extend_top(deepest);
+        break;
+      }
+      case 'e': case 0x90: extend_top(pop_mark().first); break;  // APPENDS, ADDITEMS
+      case 0x85: push(pop(1) + 1); break;                  // TUPLE1
+      case 0x86: push(pop(2) + 1); break;                  // TUPLE2
+      case 0x87: push(pop(3) + 1); break;                  // TUPLE3
+      case 'a': extend_top(pop(1)); break;                 // APPEND
+      case 's': extend_top(pop(2)); break;                 // SETITEM
+      // A call's result may be (part of) its arguments: counted as nested as they are.
+      case 'R': case 'b': case 0x81: push(pop(2)); break;  // REDUCE, BUILD, NEWOBJ
+      case 0x92: push(pop(3)); break;                      // NEWOBJ_EX
+      case 0x93: pop(2); push(0); break;                   // STACK_GLOBAL
+      case 'Q': pop(1); push(0); break;                    // BINPERSID (a storage)
+      case 0x97: push(0); break;                           // NEXT_BUFFER
+      case 0x98: if (stack.size() <= floor()) fail("READONLY_BUFFER with an empty stack"); break;
+      default: {
+        char hex[8];
+        std::snprintf(hex, sizeof(hex), "0x%02x", op);
+        fail(std::string("unknown opcode ") + hex);
+      }
+    }
+  }
+}
 
 void save_safetensors(const std::string& dir, const FullStateDict& state, const SaveSafetensorsOptions& options) {
   constexpr const char* api = "fsdp::save_safetensors";
@@ -210,6 +474,7 @@ FullStateDict load_pt(const std::string& path) {
   constexpr const char* api = "fsdp::load_pt";
   TORCH_CHECK(storage::exists(path), api, ": there is no file '", path, "'");
   const std::string text = storage::read_file(path);
+  check_pt_archive(text, path, api);  // [Note: pickle pre-check]
   c10::IValue value;
   try {
     value = torch::jit::pickle_load(std::vector<char>(text.begin(), text.end()));
@@ -258,12 +523,7 @@ SafetensorsFileList safetensors_files(const std::string& path, const std::string
   const std::string text = storage::read_file(index_path);
   list.index_path = index_path;
   list.index_bytes = static_cast<int64_t>(text.size());
-  ordered_json index;
-  try {
-    index = ordered_json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, api, ": '", index_path, "' is not valid JSON: ", e.what());
-  }
+  ordered_json index = parse_index(text, index_path, api);
   TORCH_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(), api, ": '",
               index_path, "' has no \"weight_map\" object");
   const fs::path dir = fs::path(index_path).parent_path();
@@ -272,7 +532,7 @@ SafetensorsFileList safetensors_files(const std::string& path, const std::string
     const std::string name = (dir / file.get<std::string>()).string();
     auto it = std::find_if(list.files.begin(), list.files.end(), [&](const auto& f) { return f.first == name; });
     if (it == list.files.end()) {
-      TORCH_CHECK(storage::exists(name), api, ": '", name, "' (listed in '", index_path, "') is missing");
+      listed_file(dir, file.get<std::string>(), index_path, api);
       it = list.files.insert(list.files.end(), {name, {}});
     }
     it->second.push_back(key);

@@ -68,7 +68,10 @@ void save_pt(const std::string& path, const FullStateDict& state);
 
 /// Reads a `.pt` file holding a dict from string to tensor: save_pt's, or Python's
 /// `torch.save(dict(model.state_dict()), path)`. LibTorch's unpickler cannot read an OrderedDict
-/// (what `module.state_dict()` returns): such files are refused with a message saying so.
+/// (what `module.state_dict()` returns): such files are refused with a message saying so. The
+/// archive's record sizes and the pickle's structure are checked before LibTorch reads them
+/// (check_pt_pickle below), so a malformed file is refused rather than crashing or allocating
+/// beyond its size.
 FullStateDict load_pt(const std::string& path);
 
 }  // namespace fsdp
@@ -96,5 +99,13 @@ struct SafetensorsFileList {
 /// Errors (no such path, a folder without a model, an index that is not JSON or has no
 /// "weight_map", a listed file that is missing) name `api` and the path.
 SafetensorsFileList safetensors_files(const std::string& path, const std::string& api);
+
+/// Checks the structure of a .pt archive's pickle (data.pkl: `size` bytes at `data`) before
+/// LibTorch's unpickler reads it, which trusts it ([Note: pickle pre-check] in
+/// full_state_dict_files.cc): declared lengths inside the data, stack effects and marks, dict
+/// items in pairs, memo indexes, container nesting. A c10::Error starting with `context` (e.g.
+/// "fsdp::load_pretrained: '<path>'") otherwise. load_pt runs it; for readers that unpickle .pt
+/// files themselves (fsdp::load_pretrained).
+void check_pt_pickle(const char* data, size_t size, const std::string& context);
 
 }  // namespace fsdp
