@@ -153,6 +153,8 @@ void open_pt(const std::string& path, Sources& sources) {
               "torch.save");
   const auto [pickle, pickle_size] = reader.getRecord("data.pkl");
   sources.stats->header_bytes += static_cast<int64_t>(pickle_size);
+  // LibTorch's unpickler trusts the file: bounded allocations, memo indices and nesting first.
+  check_pt_pickle(static_cast<const char*>(pickle.get()), pickle_size, std::string(kApi) + ": '" + path + "'");
   size_t cursor = 0;
   const char* bytes = static_cast<const char*>(pickle.get());
   auto read = [&](char* buffer, size_t n) {

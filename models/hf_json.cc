@@ -25,6 +25,19 @@ std::pair<std::string, std::string> read_hf_config_text(const std::string& path)
   return {file, text.str()};
 }
 
+std::string rope_parameters_json(const RopeParameters& rope) {
+  nlohmann::ordered_json j;
+  if (rope.rope_type == "llama3") {
+    j["factor"] = rope.factor;
+    j["high_freq_factor"] = rope.high_freq_factor;
+    j["low_freq_factor"] = rope.low_freq_factor;
+    j["original_max_position_embeddings"] = rope.original_max_position_embeddings;
+  }
+  j["rope_theta"] = rope.rope_theta;
+  j["rope_type"] = rope.rope_type;
+  return j.dump();
+}
+
 struct HfJson::Impl {
   nlohmann::json j;
 };

@@ -20,6 +20,10 @@ namespace fsdp::models {
 /// missing or unreadable file, or one over 16 MiB, is a c10::Error naming it.
 std::pair<std::string, std::string> read_hf_config_text(const std::string& path);
 
+/// transformers 5's `rope_parameters` object of `rope` (llama3's fields only for that type), as
+/// JSON text: what the models' to_hf_json write.
+std::string rope_parameters_json(const RopeParameters& rope);
+
 class HfJson {
  public:
   /// Parses `text`; not JSON or not an object: a c10::Error naming `where`.

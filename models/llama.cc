@@ -97,16 +97,7 @@ std::string LlamaConfig::to_hf_json() const {
   j["num_key_value_heads"] = kv_heads();
   j["pretraining_tp"] = 1;
   j["rms_norm_eps"] = rms_norm_eps_;
-  nlohmann::ordered_json rope;
-  if (rope_.rope_type == "llama3") {
-    rope["factor"] = rope_.factor;
-    rope["high_freq_factor"] = rope_.high_freq_factor;
-    rope["low_freq_factor"] = rope_.low_freq_factor;
-    rope["original_max_position_embeddings"] = rope_.original_max_position_embeddings;
-  }
-  rope["rope_theta"] = rope_.rope_theta;
-  rope["rope_type"] = rope_.rope_type;
-  j["rope_parameters"] = rope;
+  j["rope_parameters"] = nlohmann::ordered_json::parse(rope_parameters_json(rope_));
   j["tie_word_embeddings"] = tie_word_embeddings_;
   j["use_cache"] = true;
   j["vocab_size"] = vocab_size_;

@@ -146,16 +146,7 @@ std::string MoeConfig::to_hf_json() const {
   j["num_key_value_heads"] = kv_heads();
   j["output_router_logits"] = output_router_logits_;
   j["rms_norm_eps"] = rms_norm_eps_;
-  nlohmann::ordered_json rope;
-  if (rope_.rope_type == "llama3") {
-    rope["factor"] = rope_.factor;
-    rope["high_freq_factor"] = rope_.high_freq_factor;
-    rope["low_freq_factor"] = rope_.low_freq_factor;
-    rope["original_max_position_embeddings"] = rope_.original_max_position_embeddings;
-  }
-  rope["rope_theta"] = rope_.rope_theta;
-  rope["rope_type"] = rope_.rope_type;
-  j["rope_parameters"] = rope;
+  j["rope_parameters"] = nlohmann::ordered_json::parse(rope_parameters_json(rope_));
   j["router_aux_loss_coef"] = router_aux_loss_coef_;
   j["sliding_window"] = nullptr;
   j["tie_word_embeddings"] = tie_word_embeddings_;
