@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -35,6 +36,7 @@ const char* to_string(CollectiveKind kind) {
     case CollectiveKind::kAllToAll: return "all_to_all_single";
     case CollectiveKind::kSend: return "send";
     case CollectiveKind::kRecv: return "recv";
+    case CollectiveKind::kAllToAllV: return "all_to_all";
   }
   return "?";
 }
@@ -160,6 +162,40 @@ PendingCollective Communicator::all_to_all_single(at::Tensor output, at::Tensor 
   std::vector<int64_t> equal_splits;  // empty: W equal chunks
   auto work = backend_->alltoall_base(output, input, equal_splits, equal_splits);
   return record_issue(std::move(work), CollectiveKind::kAllToAll, nbytes(input), std::move(tag));
+}
+
+PendingCollective Communicator::all_to_all(at::Tensor output, at::Tensor input, std::vector<int64_t> output_splits,
+                                           std::vector<int64_t> input_splits, std::string tag) {
+  auto check = [&](const at::Tensor& t, const std::vector<int64_t>& splits, const char* what) {
+    TORCH_CHECK(static_cast<int>(splits.size()) == size_, "fsdp comm all_to_all: expected ", size_, " ", what,
+                " splits (one per rank), got ", splits.size());
+    int64_t rows = 0;
+    for (int64_t s : splits) {
+      TORCH_CHECK(s >= 0, "fsdp comm all_to_all: ", what, " splits must be >= 0, got ", c10::IntArrayRef(splits));
+      rows += s;
+    }
+    TORCH_CHECK(t.dim() >= 1 && t.size(0) == rows, "fsdp comm all_to_all: the ", what, " splits ",
+                c10::IntArrayRef(splits), " add up to ", rows, " rows but the ", what, " has sizes ", t.sizes());
+  };
+  check(input, input_splits, "input");
+  check(output, output_splits, "output");
+  TORCH_CHECK(input.sizes().slice(1) == output.sizes().slice(1) && input.scalar_type() == output.scalar_type(),
+              "fsdp comm all_to_all: the input's rows (", input.sizes().slice(1), ", ", input.scalar_type(),
+              ") and the output's (", output.sizes().slice(1), ", ", output.scalar_type(), ") differ");
+  IssuingApi api(tag_label(tag), tag);
+  auto work = backend_->alltoall_base(output, input, output_splits, input_splits);
+  return record_issue(std::move(work), CollectiveKind::kAllToAllV, nbytes(input), std::move(tag));
+}
+
+std::vector<int64_t> Communicator::exchange_splits(const std::vector<int64_t>& input_splits, std::string tag) {
+  TORCH_CHECK(static_cast<int>(input_splits.size()) == size_, "fsdp comm exchange_splits: expected ", size_,
+              " splits (one per rank), got ", input_splits.size());
+  if (size_ == 1) return input_splits;
+  at::Tensor in = at::tensor(input_splits, at::kLong).to(device_);
+  at::Tensor out = at::empty_like(in);
+  all_to_all_single(out, in, std::move(tag)).wait();
+  const at::Tensor host = out.cpu();
+  return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + size_);
 }
 
 std::vector<std::vector<uint8_t>> Communicator::all_gather_bytes(const std::vector<uint8_t>& local,

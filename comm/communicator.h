@@ -33,8 +33,9 @@ enum class CollectiveKind : int {
   kAllToAll,           // all_to_all_single: equal splits, chunk j of the input goes to rank j
   kSend,               // point-to-point send (the tensor's bytes)
   kRecv,               // point-to-point recv (the tensor's bytes)
+  kAllToAllV,          // all_to_all: rows split per destination by sizes (expert parallel's dispatch)
 };
-constexpr int kNumCollectiveKinds = 10;
+constexpr int kNumCollectiveKinds = 11;
 
 const char* to_string(CollectiveKind kind);
 
@@ -128,6 +129,24 @@ class Communicator {
   ///   at::Tensor in = at::full({comm.size(), 4}, comm.rank()), out = at::empty_like(in);
   ///   comm.all_to_all_single(out, in).wait();   // out[i] == i everywhere
   PendingCollective all_to_all_single(at::Tensor output, at::Tensor input, std::string tag = {});
+  /// All-to-all of rows with sizes per rank (c10d's alltoall_base with split sizes; MPI_Ialltoallv
+  /// on MPI, NCCL's grouped send/recv on GPU): the first input_splits[0] rows of `input` (dimension
+  /// 0) go to rank 0, the next input_splits[1] to rank 1, ...; `output` receives output_splits[i]
+  /// rows from rank i, in rank order. Every row has the same shape and dtype on every rank. The
+  /// splits must pair up: output_splits[i] on this rank equals input_splits[this rank] on rank i
+  /// (exchange_splits computes them). Bytes counted: the input's. Sizes that do not add up to the
+  /// tensors' rows are a c10::Error before anything is issued.
+  ///
+  ///   std::vector<int64_t> send = {1, 2};                   // rank 0: 1 row to rank 0, 2 to rank 1
+  ///   std::vector<int64_t> recv = comm.exchange_splits(send);
+  ///   at::Tensor out = at::empty({sum(recv), 4});
+  ///   comm.all_to_all(out, in, recv, send).wait();
+  PendingCollective all_to_all(at::Tensor output, at::Tensor input, std::vector<int64_t> output_splits,
+                               std::vector<int64_t> input_splits, std::string tag = {});
+  /// The output splits of an all_to_all whose input splits are `input_splits` (size() of them) on
+  /// every rank: result[i] is what rank i sends this rank (blocking; one all_to_all_single of
+  /// size() int64 values).
+  std::vector<int64_t> exchange_splits(const std::vector<int64_t>& input_splits, std::string tag = {});
   /// Gathers a byte buffer of any size from every rank (blocking): result[r] is rank r's buffer.
   std::vector<std::vector<uint8_t>> all_gather_bytes(const std::vector<uint8_t>& local,
                                                      std::string tag = {});

@@ -3,7 +3,9 @@
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <array>
 #include <cstdlib>
@@ -116,6 +118,7 @@ const char* kind_name(int64_t code) {
     case c10d::OpType::_ALLGATHER_BASE: return "all_gather_into_tensor";
     case c10d::OpType::_REDUCE_SCATTER_BASE: return "reduce_scatter_tensor";
     case c10d::OpType::ALLTOALL_BASE: return "all_to_all_single";
+    case c10d::OpType::ALLTOALL: return "all_to_all";
     case c10d::OpType::BARRIER: return "barrier";
     default: return "another collective";
   }
@@ -459,6 +462,9 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::alltoall_base(at::Tensor& output, at:
                                                          std::vector<int64_t>& output_split_sizes,
                                                          std::vector<int64_t>& input_split_sizes,
                                                          const c10d::AllToAllOptions& opts) {
+  if (!output_split_sizes.empty() || !input_split_sizes.empty()) {
+    return alltoallv(output, input, output_split_sizes, input_split_sizes);
+  }
   check_cpu_contiguous(input, "all_to_all_single", "input");
   check_cpu_contiguous(output, "all_to_all_single", "output");
   check_same_dtype(output, input, "all_to_all_single");
@@ -468,13 +474,6 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::alltoall_base(at::Tensor& output, at:
               "input's first dimension must hold one equal chunk per rank (a multiple of ", size_,
               "), got sizes ", input.sizes());
   const int64_t chunk = input.numel() / size_;
-  for (const auto* splits : {&output_split_sizes, &input_split_sizes}) {
-    bool equal = true;
-    for (int64_t s : *splits) equal &= s == input.size(0) / size_;
-    TORCH_CHECK(splits->empty() || (equal && static_cast<int>(splits->size()) == size_),
-                "MPI backend all_to_all_single: only equal splits are supported (no split sizes, or ",
-                size_, " of ", input.size(0) / size_, "), got ", c10::IntArrayRef(*splits));
-  }
   MPI_Datatype type = mpi::datatype_for(input.scalar_type(), "all_to_all_single");
   const int count = to_count(chunk, "all_to_all_single");
   MPI_Comm comm = comm_;
@@ -487,6 +486,52 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::alltoall_base(at::Tensor& output, at:
         return MPI_Ialltoall(in.data_ptr(), count, type, out.data_ptr(), count, type, comm, r);
       },
       {}, {out}, {in, out});
+}
+
+// All-to-all with split sizes (rows of dimension 0 per rank): MPI_Ialltoallv. The size check
+// compares the kind, dtype and the elements of one row ([Note: MPI size check]); the splits pair
+// up by construction when the receiver's come from Communicator::exchange_splits.
+c10::intrusive_ptr<c10d::Work> MpiBackend::alltoallv(at::Tensor& output, at::Tensor& input,
+                                                     const std::vector<int64_t>& output_splits,
+                                                     const std::vector<int64_t>& input_splits) {
+  check_cpu_contiguous(input, "all_to_all", "input");
+  check_cpu_contiguous(output, "all_to_all", "output");
+  check_same_dtype(output, input, "all_to_all");
+  TORCH_CHECK(input.dim() >= 1 && output.dim() >= 1 && input.sizes().slice(1) == output.sizes().slice(1),
+              "MPI backend all_to_all: the input's and the output's rows must have one shape, got ", input.sizes(),
+              " and ", output.sizes());
+  const int64_t row = input.size(0) > 0 ? input.numel() / input.size(0)
+                                        : c10::multiply_integers(input.sizes().slice(1));
+  auto counts = [&](const std::vector<int64_t>& splits, const at::Tensor& t, const char* what) {
+    TORCH_CHECK(static_cast<int>(splits.size()) == size_, "MPI backend all_to_all: expected ", size_, " ", what,
+                " split sizes (one per rank), got ", c10::IntArrayRef(splits));
+    auto c = std::make_shared<std::pair<std::vector<int>, std::vector<int>>>();
+    int64_t offset = 0;
+    for (int64_t s : splits) {
+      TORCH_CHECK(s >= 0, "MPI backend all_to_all: negative ", what, " split size in ", c10::IntArrayRef(splits));
+      c->first.push_back(to_count(s * row, "all_to_all"));
+      c->second.push_back(to_count(offset, "all_to_all"));
+      offset += s * row;
+    }
+    TORCH_CHECK(offset == t.numel(), "MPI backend all_to_all: the ", what, " split sizes ", c10::IntArrayRef(splits),
+                " hold ", offset, " elements, the ", what, " ", t.numel());
+    return c;
+  };
+  auto send = counts(input_splits, input, "input");
+  auto recv = counts(output_splits, output, "output");
+  MPI_Datatype type = mpi::datatype_for(input.scalar_type(), "all_to_all");
+  MPI_Comm comm = comm_;
+  at::Tensor in = input, out = output;
+  return enqueue(
+      c10d::OpType::ALLTOALL, "all_to_all",
+      fmt::format("rows of {} elements of {}: [{}] sent, [{}] received", row, c10::toString(input.scalar_type()),
+                  fmt::join(input_splits, ", "), fmt::join(output_splits, ", ")),
+      {input.scalar_type(), row, 0},
+      [=](MPI_Request* r) {
+        return MPI_Ialltoallv(in.data_ptr(), send->first.data(), send->second.data(), type, out.data_ptr(),
+                              recv->first.data(), recv->second.data(), type, comm, r);
+      },
+      [send, recv] {}, {out}, {in, out});
 }
 
 c10::intrusive_ptr<c10d::Work> MpiBackend::barrier(const c10d::BarrierOptions& opts) {

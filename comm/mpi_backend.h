@@ -28,7 +28,7 @@
 //
 // Supported: broadcast, allreduce (SUM, AVG = SUM then divide, MAX, MIN, PRODUCT), allgather of a
 // list, allgather into one tensor, reduce-scatter from one tensor, all-to-all with equal splits
-// (alltoall_base without split sizes), barrier; dtypes float32, float64,
+// (alltoall_base without split sizes), all-to-all of rows with split sizes (MPI_Ialltoallv), barrier; dtypes float32, float64,
 // float16, bfloat16 (16-bit reductions compute in float), int32, int64, uint8, int8, bool.
 
 #include <atomic>
@@ -159,6 +159,10 @@ class MpiBackend final : public c10d::Backend, public PointToPointFailures {
   // The checks every send and recv makes before anything is issued.
   void check_point_to_point(const std::vector<at::Tensor>& tensors, int peer, int tag,
                             const char* name) const;
+
+  c10::intrusive_ptr<c10d::Work> alltoallv(at::Tensor& output, at::Tensor& input,
+                                           const std::vector<int64_t>& output_splits,
+                                           const std::vector<int64_t>& input_splits);
 
   // What the size check compares across ranks (besides the kind).
   struct Shape {

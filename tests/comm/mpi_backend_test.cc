@@ -183,17 +183,50 @@ FSDP_RANKS_TEST_CASE("all_to_all_single sends chunk j to rank j", "[comm][mpi]")
       CHECK(output.to(at::kLong).equal(expected));
     }
   }
-  // Split sizes other than equal ones are refused, naming them.
-  std::vector<int64_t> uneven(W, 2);
-  uneven[0] = 3;
   std::vector<int64_t> none;
-  at::Tensor in = at::zeros({2 * W}), out = at::zeros({2 * W});
-  CHECK_THAT(fsdp::testing::error_of([&] { world().backend()->alltoall_base(out, in, uneven, uneven); }),
-             Catch::Matchers::Contains("all_to_all_single") && Catch::Matchers::Contains("only equal splits"));
   if (W == 1) return;  // every count divides by one rank
   at::Tensor odd_in = at::zeros({W * 2 + 1}), odd_out = at::zeros({W * 2 + 1});
   CHECK_THAT(fsdp::testing::error_of([&] { world().backend()->alltoall_base(odd_out, odd_in, none, none); }),
              Catch::Matchers::Contains("one equal chunk per rank"));
+}
+
+FSDP_RANKS_TEST_CASE("all_to_all sends rows split by sizes per rank, the splits from exchange_splits",
+                     "[comm][mpi]") {
+  const int W = world_size();
+  const int r = rank();
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kLong}) {
+    for (int64_t width : {1, 5}) {
+      // Rank r sends (r + j) % 3 rows to rank j (some zero), each row holding 10 * r + 3 * j + its index (exact in bf16).
+      std::vector<int64_t> send(W);
+      for (int j = 0; j < W; ++j) send[j] = (r + j) % 3;
+      std::vector<at::Tensor> pieces;
+      for (int j = 0; j < W; ++j) {
+        pieces.push_back((at::arange(send[j], at::kLong) + 10 * r + 3 * j).unsqueeze(1).expand({send[j], width}));
+      }
+      const at::Tensor input = at::cat(pieces).to(dtype).contiguous();
+      const std::vector<int64_t> recv = world().exchange_splits(send, "splits");
+      std::vector<at::Tensor> expected;
+      for (int i = 0; i < W; ++i) {
+        CHECK(recv[i] == (i + r) % 3);
+        expected.push_back((at::arange(recv[i], at::kLong) + 10 * i + 3 * r).unsqueeze(1).expand({recv[i], width}));
+      }
+      int64_t rows = 0;
+      for (int64_t n : recv) rows += n;
+      at::Tensor output = at::full({rows, width}, -1, at::TensorOptions().dtype(dtype));
+      world().reset_stats();
+      world().all_to_all(output, input, recv, send, "rows").wait();
+      CHECK(output.to(at::kLong).equal(at::cat(expected)));
+      CHECK(world().stats(CollectiveKind::kAllToAllV).calls == 1);
+      CHECK(world().stats(CollectiveKind::kAllToAllV).bytes == input.numel() * input.element_size());
+    }
+  }
+  // Splits that do not add up to the rows are refused before anything is issued.
+  std::vector<int64_t> wrong(W, 1);
+  at::Tensor in = at::zeros({W + 1, 2}), out = at::zeros({W, 2});
+  CHECK_THAT(fsdp::testing::error_of([&] { world().all_to_all(out, in, wrong, wrong); }),
+             Catch::Matchers::Contains("all_to_all") && Catch::Matchers::Contains("add up to"));
+  CHECK_THAT(fsdp::testing::error_of([&] { world().all_to_all(out, out, std::vector<int64_t>(W + 1, 0), wrong); }),
+             Catch::Matchers::Contains("one per rank"));
 }
 
 FSDP_RANKS_TEST_CASE("several asynchronous collectives in flight at once", "[comm][mpi]") {
