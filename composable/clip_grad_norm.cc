@@ -6,6 +6,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 
 #include <ATen/ops/tensor.h>
@@ -57,6 +58,9 @@ struct Job {
   std::vector<at::Tensor> unmanaged;  // parameters of the roots' modules no unit manages, once each
   Comms dp;                           // the roots' communicators, in root order
   Comms replicate;                    // their replicate groups (HSDP)
+  // Units on a subset of their root's ranks (experts): summed over the root's communicator
+  // ([Note: units on a subset of the root's ranks] in fsdp/lazy_init.cc).
+  std::unordered_map<const FSDPState*, std::shared_ptr<comm::Communicator>> root_comm;
   std::shared_ptr<comm::Communicator> tp;
   std::string error;                  // this rank's refusal, or ""
 };
@@ -85,6 +89,7 @@ Job resolve_job(const std::vector<FSDPModule>& roots) {
       for (const auto& unit : distinct_units_in_tree(*module)) {
         if (std::find(job.units.begin(), job.units.end(), unit.get()) != job.units.end()) continue;
         job.units.push_back(unit.get());
+        job.root_comm[unit.get()] = state.config().comm;
         add_distinct(job.dp, unit->config().comm);  // the root's, once its first forward checked it
         add_distinct(job.replicate, unit->config().replicate);
         for (const auto& handle : unit->handles()) {
@@ -145,10 +150,11 @@ double clip_grad_norm_(const std::vector<FSDPModule>& roots, double max_norm, do
   std::vector<std::array<double, 2>> dp_sharded(job.dp.size(), {0.0, 0.0});
   std::array<double, 2> whole = {0.0, 0.0};
   std::vector<at::Tensor> grads;
-  auto add = [&](const at::Tensor& param, const at::Tensor& g, const std::shared_ptr<comm::Communicator>& dp) {
+  auto add = [&](const at::Tensor& param, const at::Tensor& g, const std::shared_ptr<comm::Communicator>& dp,
+                 double share = 1.0) {
     if (!g.defined() || g.numel() == 0) return;
     grads.push_back(g);
-    const double part = inf ? g.abs().max().item<double>() : g.abs().pow(norm_type).sum().item<double>();
+    const double part = inf ? g.abs().max().item<double>() : g.abs().pow(norm_type).sum().item<double>() * share;
     const auto placement = tensor_placement(param);
     const int tp_sharded = placement && placement->sharded() && placement->size() > 1 ? 1 : 0;
     const auto it = std::find(job.dp.begin(), job.dp.end(), dp);
@@ -160,7 +166,17 @@ double clip_grad_norm_(const std::vector<FSDPModule>& roots, double max_norm, do
       if (!handle->requires_grad()) continue;
       // Each parameter's `.grad` is its slice of this rank's shard (its whole gradient when the
       // handle does not shard).
-      const auto dp = handle->is_sharded_strategy() ? unit->config().comm : nullptr;
+      const auto& own = unit->config().comm;
+      const auto& root = job.root_comm.at(unit);
+      if (own && root && own != root && root->size() > 1) {
+        // A unit on a subset of the root's ranks: the root's other ranks hold other parameters in
+        // its place, so the sum runs over the root's communicator; an unsharded handle's whole
+        // gradient is on every rank of the unit's own communicator and enters once.
+        const double share = handle->is_sharded_strategy() ? 1.0 : 1.0 / own->size();
+        for (const auto& p : handle->params()) add(p.param, p.param.grad(), root, share);
+        continue;
+      }
+      const auto dp = handle->is_sharded_strategy() ? own : nullptr;
       for (const auto& p : handle->params()) add(p.param, p.param.grad(), dp);
     }
   }

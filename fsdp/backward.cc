@@ -45,7 +45,7 @@ void reduce_unit(RootContext& context, FSDPState& unit) {
   if (context.divergence().enabled()) {
     Fingerprint f("reduces the gradients of '" + unit.fqn() + "'");
     add_reduction_fields(f, unit.handles(), unit.requires_gradient_sync());
-    context.check_ranks_agree(std::move(f));
+    context.check_ranks_agree(unit, std::move(f));
   }
   for (const auto& handle : unit.handles()) handle->reduce_gradients(unit.requires_gradient_sync());
   // The previous unit's reduction has had this unit's reduction to overlap with: finish it and
@@ -150,12 +150,12 @@ void begin_backward_pass(RootContext& context) {
 void check_before_backward_all_gather(RootContext& context, const FSDPState& unit) {
   if (!context.divergence().enabled()) return;
   if (!unit.unshard_in_backward()) {
-    context.check_ranks_agree(Fingerprint("uses '" + unit.fqn() + "' in backward without all-gathering it"));
+    context.check_ranks_agree(unit, Fingerprint("uses '" + unit.fqn() + "' in backward without all-gathering it"));
     return;
   }
   Fingerprint f("all-gathers '" + unit.fqn() + "' for backward");
   add_all_gather_fields(f, unit.handles(), /*needs_all_gather=*/true);
-  context.check_ranks_agree(std::move(f));
+  context.check_ranks_agree(unit, std::move(f));
 }
 
 // Backward prefetch: the unit that ran before this one in forward runs its backward next.

@@ -11,4 +11,9 @@ void DivergenceCheck::check(Fingerprint fingerprint, int64_t iteration) const {
   check_ranks_agree(*comm_, std::move(fingerprint), iteration);
 }
 
+void DivergenceCheck::check(comm::Communicator& comm, Fingerprint fingerprint, int64_t iteration) const {
+  if (!enabled_ || comm.size() == 1) return;
+  check_ranks_agree(comm, std::move(fingerprint), iteration);
+}
+
 }  // namespace fsdp

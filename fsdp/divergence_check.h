@@ -29,6 +29,9 @@ class DivergenceCheck {
   /// ranks when enabled() and there are several ranks; throws the same error on every rank if they
   /// differ. Collective when it exchanges: every rank must call it at the same point.
   void check(Fingerprint fingerprint, int64_t iteration) const;
+  /// The same over `comm` (a unit's own communicator, when it is a subset of the root's ranks:
+  /// [Note: units on a subset of the root's ranks] in fsdp/lazy_init.cc).
+  void check(comm::Communicator& comm, Fingerprint fingerprint, int64_t iteration) const;
 
  private:
   std::shared_ptr<comm::Communicator> comm_;

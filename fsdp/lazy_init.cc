@@ -2,6 +2,8 @@
 
 #include <ATen/record_function.h>
 #include <algorithm>
+#include <optional>
+#include <sstream>
 
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
@@ -15,6 +17,56 @@
 
 namespace fsdp::runtime {
 namespace {
+
+// [Note: units on a subset of the root's ranks] A unit inside a root uses the root's communicator,
+// or one whose ranks (Communicator::world_ranks) are a subset of the root's, with the same
+// replicate ranks under HSDP: expert parallelism shards an expert over the data-parallel ranks that
+// hold it (torchtitan's dp_shard_mod_ep mesh) while the root's other ranks hold other experts in
+// its place. Every rank of the root then holds such a unit at the same place of the tree (the same
+// number of local experts), so the root's checks compare positions, not names; the unit's own
+// divergence checks run over its own communicator (RootContext::check_ranks_agree(unit, ...)),
+// clip_grad_norm_ sums its gradients over the root's communicator (each element is held by one
+// of the root's ranks' shards), and its gradient divide factor is the caller's to set (the
+// data-parallel degree of the job: the expert's gradient already sums the tokens of the whole
+// expert-parallel group). A communicator whose ranks cannot be compared, or are not a subset (a
+// forgotten data-parallel group, the world where the root uses one tp slice of it), is refused.
+bool subset_of(const comm::Communicator& inner, const comm::Communicator& outer) {
+  const auto in = inner.world_ranks(), out = outer.world_ranks();
+  if (!in || !out) return false;
+  for (int r : *in) {
+    if (std::find(out->begin(), out->end(), r) == out->end()) return false;
+  }
+  return true;
+}
+
+bool same_ranks(const std::shared_ptr<comm::Communicator>& a, const std::shared_ptr<comm::Communicator>& b) {
+  if (a == b) return true;
+  const int size_a = a ? a->size() : 1, size_b = b ? b->size() : 1;
+  if (size_a == 1 && size_b == 1) return true;
+  if (!a || !b) return false;
+  const auto ra = a->world_ranks(), rb = b->world_ranks();
+  return ra && rb && *ra == *rb;
+}
+
+void check_unit_communicator(const FSDPState& unit, const torch::nn::Module& module, const FSDPState& root,
+                             const contract::ModuleStateRegistry& registry) {
+  const auto& own = unit.config().comm;
+  const auto& root_comm = root.config().comm;
+  if (own == root_comm) return;
+  auto ranks = [](const std::shared_ptr<comm::Communicator>& c) {
+    std::ostringstream out;
+    const auto r = c ? c->world_ranks() : std::nullopt;
+    if (!r) return std::string("unknown world ranks");
+    out << "world ranks";
+    for (int x : *r) out << ' ' << x;
+    return out.str();
+  };
+  TORCH_CHECK(own && root_comm && subset_of(*own, *root_comm) && same_ranks(unit.config().replicate, root.config().replicate),
+              "fully_shard: unit ", registry.describe(module), " uses another communicator than its root (",
+              ranks(own), " against the root's ", ranks(root_comm), "); a unit inside a root must use the root's "
+              "communicator, or one over a subset of its ranks with the same replicate ranks (expert parallel: [Note: "
+              "units on a subset of the root's ranks] in fsdp/lazy_init.cc)");
+}
 
 // Whether the module at `inner` is strictly inside the module at `outer` (FQNs from the root).
 bool contains_module(const std::string& outer, const std::string& inner) {
@@ -51,10 +103,7 @@ void lazy_init(FSDPState& state) {
   UnitModuleFqns unit_fqns;
   std::vector<FSDPState*> states;
   for (const auto& unit : units_in_tree(state.module())) {
-    TORCH_CHECK(unit.state->config().comm == state.config().comm, "fully_shard: unit ",
-                registry.describe(*unit.module),
-                " uses another communicator than its root; every unit of one model must use the "
-                "same one");
+    check_unit_communicator(*unit.state, *unit.module, state, registry);
     auto& names = unit_fqns[unit.state.get()];
     if (names.empty()) states.push_back(unit.state.get());  // siblings: one unit, several modules
     names.push_back(unit.fqn);

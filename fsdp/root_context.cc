@@ -74,6 +74,15 @@ void RootContext::check_ranks_agree(Fingerprint fingerprint) {
   divergence_.check(std::move(fingerprint), iteration_.iterations());
 }
 
+void RootContext::check_ranks_agree(const FSDPState& unit, Fingerprint fingerprint) {
+  const auto& own = unit.config().comm;
+  if (own && own != comm_) {
+    divergence_.check(*own, std::move(fingerprint), iteration_.iterations());
+  } else {
+    divergence_.check(std::move(fingerprint), iteration_.iterations());
+  }
+}
+
 std::vector<FSDPState*> prefetch_targets(const FSDPState& unit,
                                          const std::vector<FSDPState*>* explicit_targets,
                                          const std::vector<FSDPState*>& order, int direction) {

@@ -84,6 +84,10 @@ class RootContext {
   ///
   ///   if (context.divergence().enabled()) context.check_ranks_agree(Fingerprint("finished its forward"));
   void check_ranks_agree(Fingerprint fingerprint);
+  /// The same for an event of `unit`: over the unit's own communicator when it is not the root's
+  /// (a unit on a subset of the root's ranks, e.g. an expert: [Note: units on a subset of the
+  /// root's ranks] in fsdp/lazy_init.cc), else over the root's.
+  void check_ranks_agree(const FSDPState& unit, Fingerprint fingerprint);
 
   /// The scheduler's peak (for tests and benchmarks).
   int peak_unsharded() const { return scheduler_.peak_unsharded(); }

@@ -82,7 +82,7 @@ void check_before_forward(RootContext& context, const FSDPState& state, size_t c
   Fingerprint f("ran '" + state.fqn() + "'");
   f.add("forward call", std::to_string(call));
   add_all_gather_fields(f, state.handles(), !state.is_unsharded() && !state.unshard_in_flight());
-  context.check_ranks_agree(std::move(f));
+  context.check_ranks_agree(state, std::move(f));
 }
 
 // A root forward while a SummonFullParams scope holds some unit's full parameters would reshard

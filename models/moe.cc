@@ -340,7 +340,22 @@ std::tuple<at::Tensor, at::Tensor> MoeSparseBlockImpl::forward(at::Tensor x) {
   const at::Tensor ids_t = ids.t();  // [k, N]
   std::vector<int64_t> rows_per_expert(n_experts, 0);
   auto expert_list = experts->holders<MoeExpert>();
-  for (int64_t e = 0; e < n_experts; ++e) {
+  if (ep_) {
+    // Expert parallel: every local expert on the rows routed to it from every ep rank (empty
+    // batches included), the pairs' outputs weighted and summed per token on its own rank.
+    const ep::Routed routed = ep_->dispatch(tokens, ids);
+    std::vector<at::Tensor> outs;
+    int64_t at = 0;
+    for (int64_t e = 0; e < ep_->local_count(); ++e) {
+      outs.push_back(expert_list[e](routed.rows.narrow(0, at, routed.rows_per_local_expert[e])));
+      at += routed.rows_per_local_expert[e];
+    }
+    const at::Tensor pairs = ep_->combine(at::cat(outs), routed);  // [N, k, H]
+    out = (pairs * weights.unsqueeze(-1)).sum(1).to(out.scalar_type());
+    const at::Tensor counts = at::bincount(ids.reshape({-1}), {}, n_experts);
+    for (int64_t e = 0; e < n_experts; ++e) rows_per_expert[e] = counts[e].item<int64_t>();
+  }
+  for (int64_t e = 0; e < n_experts && !ep_; ++e) {
     const at::Tensor where = (ids_t == e).nonzero();  // [M, 2]: (position, token)
     const at::Tensor position = where.select(1, 0), token = where.select(1, 1);
     rows_per_expert[e] = where.size(0);
@@ -367,6 +382,16 @@ std::tuple<at::Tensor, at::Tensor> MoeSparseBlockImpl::forward(at::Tensor x) {
     stats = at::cat({probs.view({batch, time, n_experts}).sum(1), counts.view({batch, time, n_experts}).sum(1)}, -1);
   }
   return {out, stats};
+}
+
+void MoeSparseBlockImpl::set_expert_parallel(std::shared_ptr<ep::ExpertParallel> ep) {
+  TORCH_CHECK(ep != nullptr, "MoeSparseBlock::set_expert_parallel: expected an ExpertParallel, found none");
+  TORCH_CHECK(!ep_ && !experts->is_pruned(), "MoeSparseBlock::set_expert_parallel (layer ", last_.layer,
+              "): the experts are already split over an ep group; call it once");
+  TORCH_CHECK(ep->num_experts() == config_.num_experts(), "MoeSparseBlock::set_expert_parallel (layer ", last_.layer,
+              "): the ExpertParallel routes ", ep->num_experts(), " experts, the layer has ", config_.num_experts());
+  experts->keep_only(ep->local_begin(), ep->local_begin() + ep->local_count());
+  ep_ = std::move(ep);
 }
 
 MoeDecoderLayerImpl::MoeDecoderLayerImpl(const MoeConfig& config, int64_t layer_index) {

@@ -77,6 +77,7 @@
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 
+#include "fsdp_cpp/composable/expert_parallel.h"
 #include "fsdp_cpp/contract/hookable_module_holder.h"
 #include "fsdp_cpp/contract/hookable_module_list.h"
 #include "fsdp_cpp/contract/hookable_modules.h"
@@ -263,9 +264,16 @@ class MoeSparseBlockImpl : public torch::nn::Module {
   /// Set by the owning layer (the layer index in the whole model).
   void set_layer_index(int64_t layer) { last_.layer = layer; }
 
+  /// Expert parallel: keeps the experts of this ep rank (ep->local_begin() .. + local_count(),
+  /// under their global names) and sends each token's rows to the ranks holding its experts
+  /// ([Note: expert-parallel dispatch] in composable/expert_parallel.h). Once, before fully_shard.
+  void set_expert_parallel(std::shared_ptr<ep::ExpertParallel> ep);
+  const std::shared_ptr<ep::ExpertParallel>& expert_parallel() const { return ep_; }
+
  private:
   MoeConfig config_;
   MoeRouting last_;
+  std::shared_ptr<ep::ExpertParallel> ep_;
 };
 FSDP_HOOKABLE_MODULE(MoeSparseBlock);
 

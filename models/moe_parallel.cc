@@ -102,6 +102,19 @@ parallel::LossFn parallelize_moe(MoeForCausalLM& model, const std::shared_ptr<co
   });
 }
 
+void expert_parallelize_moe(MoeForCausalLM& model, const std::shared_ptr<comm::Communicator>& group) {
+  const MoeConfig& c = model->config();
+  TORCH_CHECK(group != nullptr, "expert_parallelize_moe: expected an expert-parallel group, found none");
+  TORCH_CHECK(c.num_experts() % group->size() == 0, "expert_parallelize_moe: num_experts (", c.num_experts(),
+              ") must be divisible by the expert-parallel size ", group->size(), ": each ep rank holds num_experts / ep "
+              "experts");
+  for (auto& layer : model->layer_list()) {
+    if (layer->moe.is_empty()) continue;
+    const std::string name = "model.layers." + std::to_string(layer->moe->last_routing().layer) + ".mlp";
+    layer->moe->set_expert_parallel(std::make_shared<ep::ExpertParallel>(group, c.num_experts(), name));
+  }
+}
+
 parallel::ModelSpec moe_model_spec(const MoeConfig& config, uint64_t init_seed, const MoeParallel& options) {
   config.validate();
   parallel::ModelSpec spec;
@@ -118,6 +131,11 @@ parallel::ModelSpec moe_model_spec(const MoeConfig& config, uint64_t init_seed, 
   spec.loss = moe_loss(config, whole_logits_loss(options.ignore_index()));
   spec.ignore_index = options.ignore_index();
   spec.units = WrapPolicy::module_types<MoeDecoderLayerImpl, MoeExpertImpl>();
+  spec.experts = WrapPolicy::module_types<MoeExpertImpl>();
+  spec.expert_parallel = [](parallel::ModelPart& part, const std::shared_ptr<comm::Communicator>& group) {
+    MoeForCausalLM model(std::dynamic_pointer_cast<MoeForCausalLMImpl>(part.module));
+    expert_parallelize_moe(model, group);
+  };
   // A module holding units cannot be checkpointed (composable/activation_checkpoint.h): the
   // attention and the MLPs (experts, shared, dense) are, not the decoder layers.
   spec.checkpoint = WrapPolicy::module_types<MoeAttentionImpl, LlamaMlpImpl>();

@@ -79,6 +79,11 @@ parallel::LossFn moe_loss(const MoeConfig& config, parallel::LossFn base);
 
 /// The spec above: units = MoeDecoderLayerImpl and MoeExpertImpl, checkpoint = MoeAttentionImpl and
 /// LlamaMlpImpl (MoeExpertImpl derives from it).
+/// Expert parallel on every sparse layer of `model` over `group` (ep): each keeps num_experts / ep
+/// experts and dispatches tokens with all-to-alls (MoeSparseBlock::set_expert_parallel). Refused,
+/// naming the layer, when ep does not divide num_experts.
+void expert_parallelize_moe(MoeForCausalLM& model, const std::shared_ptr<comm::Communicator>& group);
+
 parallel::ModelSpec moe_model_spec(const MoeConfig& config, uint64_t init_seed, const MoeParallel& options = {});
 
 /// [Note: aux-loss-free balancing]: sums every held sparse layer's expert loads over the job's

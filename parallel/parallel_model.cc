@@ -16,6 +16,7 @@
 #include "fsdp_cpp/comm/issuing_api.h"
 #include "fsdp_cpp/composable/activation_checkpoint.h"
 #include "fsdp_cpp/composable/clip_grad_norm.h"
+#include "fsdp_cpp/composable/context_parallel.h"
 #include "fsdp_cpp/composable/fully_shard_tree.h"
 #include "fsdp_cpp/parallel/rng.h"
 #include "fsdp_cpp/pipeline/schedule.h"
@@ -139,6 +140,13 @@ ParallelModel parallelize(const std::shared_ptr<comm::Communicator>& world, cons
           TORCH_CHECK(spec.loss, api, ": ModelSpec::loss is empty; expected the loss of the last stage's output");
           TORCH_CHECK(d.tp == 1 || spec.tensor_parallel, api, ": tp = ", d.tp, " but ModelSpec::tensor_parallel is "
                       "empty; expected the model's tensor-parallel plan");
+          TORCH_CHECK(d.cp == 1 || spec.context_parallel, api, ": cp = ", d.cp, " but ModelSpec::context_parallel "
+                      "is empty; expected the model's context-parallel attention");
+          TORCH_CHECK(d.ep == 1 || (spec.expert_parallel && spec.experts), api, ": ep = ", d.ep, " but ModelSpec::",
+                      spec.expert_parallel ? "experts" : "expert_parallel", " is empty; expected the model's "
+                      "expert-parallel routing and the policy selecting its experts");
+          TORCH_CHECK(d.ep == 1 || spec.units, api, ": ep = ", d.ep, " needs ModelSpec::units (the experts are "
+                      "units of their own inside the model's units)");
           TORCH_CHECK(options.n_microbatches() >= 1, api, ": n_microbatches must be >= 1, found ",
                       options.n_microbatches());
           TORCH_CHECK(options.stages_per_rank() >= 1, api, ": stages_per_rank must be >= 1, found ",
@@ -176,11 +184,24 @@ ParallelModel parallelize(const std::shared_ptr<comm::Communicator>& world, cons
   impl->loss = spec.loss;
   impl->ignore_index = spec.ignore_index;
   agree(world, attempt([&] {
+          // [Note: fully_shard over dp_shard x cp], [Note: expert parallel mesh].
           FullyShardOptions unit_options = options.fully_shard();
+          FullyShardOptions expert_options = options.fully_shard();
           if (d.dp_replicate > 1) {
-            unit_options.mesh(mesh.hsdp_mesh());
+            unit_options.mesh(mesh.fsdp_hsdp_mesh());
+            expert_options.mesh(mesh.efsdp_hsdp_mesh());
           } else {
-            unit_options.communicator(mesh.group("dp_shard"));
+            unit_options.communicator(mesh.fsdp_group());
+            expert_options.communicator(mesh.efsdp_group());
+          }
+          std::optional<WrapPolicy> units = spec.units;
+          if (d.ep > 1) {
+            const WrapPolicy all = *spec.units, experts = *spec.experts;
+            units = WrapPolicy::lambda(
+                [all, experts](const torch::nn::Module& m, const std::string& fqn, int64_t n) {
+                  return all.selects(m, fqn, n) && !experts.selects(m, fqn, n);
+                },
+                spec.units->description() + " except the experts (" + spec.experts->description() + ")");
           }
           for (size_t c = 0; c < impl->parts.size(); ++c) {
             ModelPart& part = impl->parts[c];
@@ -188,14 +209,24 @@ ParallelModel parallelize(const std::shared_ptr<comm::Communicator>& world, cons
               LossFn tp_loss = spec.tensor_parallel(part, mesh.tp());
               if (tp_loss && impl->stages[c] == impl->n_stages - 1) impl->loss = std::move(tp_loss);
             }
+            if (d.cp > 1) spec.context_parallel(part, mesh.cp());
+            if (d.ep > 1) spec.expert_parallel(part, mesh.ep());
             if (options.checkpoint_activations()) {
               const auto& policy = spec.checkpoint ? spec.checkpoint : spec.units;
               TORCH_CHECK(policy.has_value(), api, ": checkpoint_activations needs ModelSpec::checkpoint or "
                           "ModelSpec::units to select the modules");
               checkpoint_activations_tree(*part.module, *policy);
             }
-            if (spec.units) {
-              impl->roots.push_back(fully_shard_tree(*part.module, *spec.units, unit_options).back());
+            if (d.ep > 1) {
+              // The experts first, over the ranks holding the same ones; their gradients already
+              // sum the tokens of the whole ep group, so they average over the job's dp degree.
+              for (const auto& selected : select_modules(*part.module, *spec.experts)) {
+                FSDPModule expert = fully_shard(*selected.module, expert_options);
+                expert.set_gradient_divide_factor(static_cast<double>(d.fsdp_degree()));
+              }
+            }
+            if (units) {
+              impl->roots.push_back(fully_shard_tree(*part.module, *units, unit_options).back());
             } else {
               impl->roots.push_back(fully_shard(*part.module, unit_options));
             }
@@ -247,12 +278,22 @@ at::Tensor ParallelModel::forward_backward(const at::Tensor& inputs, const at::T
                   "inputs [batch, ...], found ", shape_text(inputs));
       TORCH_CHECK(inputs.size(0) % mb == 0, api, ": the batch of ", inputs.size(0), " rows is not divisible into ",
                   mb, " microbatches");
+      if (mesh.dims().cp > 1) {
+        TORCH_CHECK(inputs.dim() >= 2, api, ": cp = ", mesh.dims().cp, " splits dimension 1 (time) of the inputs, "
+                    "found inputs ", shape_text(inputs));
+        cp::check_sequence_length(inputs.size(1), mesh.dims().cp, /*load_balanced=*/true, api);
+      }
     }
     if (m.holds_last()) {
       TORCH_CHECK(targets.defined() && targets.dim() >= 1, api, ": this rank holds the last stage and expected "
                   "targets [batch, ...], found ", shape_text(targets));
       TORCH_CHECK(targets.size(0) % mb == 0, api, ": the targets' batch of ", targets.size(0),
                   " rows is not divisible into ", mb, " microbatches");
+      if (mesh.dims().cp > 1) {
+        TORCH_CHECK(targets.dim() >= 2, api, ": cp = ", mesh.dims().cp, " splits dimension 1 (time) of the "
+                    "targets, found targets ", shape_text(targets));
+        cp::check_sequence_length(targets.size(1), mesh.dims().cp, /*load_balanced=*/true, api);
+      }
     }
   });
   std::ostringstream mine;
@@ -335,11 +376,29 @@ at::Tensor ParallelModel::forward_backward(const at::Tensor& inputs, const at::T
     // the accumulation below) backpropagates the mean over microbatches and fully_shard averages
     // over data ranks, so the gradient is that of sum_j n_j * l_j / N: the mean over the global
     // batch's counted tokens, as transformers computes it on the whole batch.
+    // With cp each rank's loss covers its chunk of the sequences, and fully_shard averages over
+    // the data ranks x cp: the scale carries the cp factor too.
     int64_t counted = 0;
     for (const auto& [data_rank, r] : tg_of_data_rank) counted += given[r].counted;
-    m.token_scale = counted == 0 ? 0.0 : static_cast<double>(mb) * mesh.data_world() / static_cast<double>(counted);
+    m.token_scale = counted == 0 ? 0.0
+                                 : static_cast<double>(mb) * mesh.data_world() * mesh.dims().cp /
+                                       static_cast<double>(counted);
   }
 
+  // Context parallel: this rank's chunk of every sequence (load-balanced head-tail layout), for
+  // the first stage's inputs and the loss's targets alike.
+  at::Tensor local_inputs = inputs, local_targets = targets;
+  if (mesh.dims().cp > 1) {
+    if (m.holds_first()) local_inputs = cp::shard_sequence(inputs, 1, mesh.dims().cp, mesh.cp_rank());
+    if (m.holds_last()) local_targets = cp::shard_sequence(targets, 1, mesh.dims().cp, mesh.cp_rank());
+  }
+  return run_step(local_inputs, local_targets);
+}
+
+at::Tensor ParallelModel::run_step(const at::Tensor& inputs, const at::Tensor& targets) {
+  Impl& m = *impl_;
+  const ParallelMesh& mesh = *m.mesh;
+  const int mb = m.options.n_microbatches();
   if (m.schedule) {
     std::vector<at::Tensor> losses;
     m.schedule->step(inputs, targets, &losses);
@@ -371,8 +430,9 @@ void ParallelModel::zero_grad() {
 double ParallelModel::global_loss(const at::Tensor& loss) const {
   const Impl& m = *impl_;
   at::Tensor l = at::zeros({1}, at::kDouble);
+  // Every data rank's and cp rank's share (cp ranks hold different tokens), once per tp group.
   if (m.holds_last() && m.mesh->tp_rank() == 0 && loss.defined()) {
-    l += loss.detach().to(at::kCPU, at::kDouble) / m.mesh->data_world();
+    l += loss.detach().to(at::kCPU, at::kDouble) / (m.mesh->data_world() * m.mesh->dims().cp);
   }
   l = l.to(m.metrics->device());
   m.metrics->all_reduce(l).wait();
@@ -386,8 +446,15 @@ std::string ParallelModel::describe() const {
       << m.n_stages << " pipeline stage" << (m.n_stages > 1 ? "s" : "") << "; this rank (data rank "
       << m.mesh->data_rank() << ", tp rank " << m.mesh->tp_rank() << ") holds stage";
   for (int s : m.stages) out << ' ' << s;
-  out << "; fully_shard over " << (m.mesh->dims().dp_replicate > 1 ? "(dp_replicate, dp_shard) (HSDP)" : "dp_shard")
-      << "; " << m.options.n_microbatches() << " microbatch" << (m.options.n_microbatches() > 1 ? "es" : "")
+  const ParallelDims& d = m.mesh->dims();
+  const std::string shard = d.cp > 1 ? "dp_shard x cp" : "dp_shard";
+  out << "; fully_shard over " << (d.dp_replicate > 1 ? "(dp_replicate, " + shard + ") (HSDP)" : shard);
+  if (d.ep > 1) {
+    out << ", experts over efsdp (" << d.efsdp() << " rank" << (d.efsdp() > 1 ? "s" : "") << ", ep rank "
+        << m.mesh->ep_rank() << " of " << d.ep << ")";
+  }
+  if (d.cp > 1) out << "; cp rank " << m.mesh->cp_rank() << " of " << d.cp << " (ring attention)";
+  out << "; " << m.options.n_microbatches() << " microbatch" << (m.options.n_microbatches() > 1 ? "es" : "")
       << " per step";
   if (m.mesh->dims().pp > 1) out << " (" << pipeline::schedule_name(m.options.schedule()) << ")";
   return out.str();

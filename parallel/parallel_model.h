@@ -2,8 +2,10 @@
 // parallelize: the composition root of a training job (torchtitan's parallelize_llama +
 // pipeline_llama, for any model that supplies its plan). From a ParallelDims layout it builds the
 // mesh, this rank's pipeline stage chunks, and applies to each, in torchtitan's order: tensor
-// parallel (over "tp") -> activation checkpointing -> fully_shard (over "dp_shard", HSDP over
-// (dp_replicate, dp_shard) when dp_replicate > 1) -> pipeline stages and schedule (over "pp").
+// parallel (over "tp") -> context parallel (over "cp") -> expert parallel (over "ep") ->
+// activation checkpointing -> fully_shard (over "dp_shard" x "cp", HSDP over (dp_replicate,
+// dp_shard x cp) when dp_replicate > 1; experts over "efsdp") -> pipeline stages and schedule
+// (over "pp").
 // The result trains with the job-wide invariants held by construction:
 //   - every data-parallel group is the right one (fully_shard never sees a tp peer);
 //   - gradient clipping over every stage chunk, tp and dp rank of the job (clip_grad_norm_);
@@ -93,6 +95,21 @@ struct ModelSpec {
   /// of the mean over the global batch's counted tokens whatever their split over data ranks and
   /// microbatches (torchtitan's global valid tokens). [Note: token-weighted loss].
   std::optional<int64_t> ignore_index;
+  /// Context parallelism (cp > 1): makes a part's attention attend over the sequence split across
+  /// the cp group (fsdp::cp::ring_attention, its rotary positions global: composable/
+  /// context_parallel.h). The composition root splits inputs and targets along dimension 1
+  /// (time) in the load-balanced head-tail layout before the first stage and the loss, so a part
+  /// sees this rank's chunk. Needed when cp > 1; may throw (e.g. a model it cannot split).
+  std::function<void(ModelPart& part, const std::shared_ptr<comm::Communicator>& cp)> context_parallel;
+  /// Expert parallelism (ep > 1): keeps the part's experts of this ep rank (num_experts / ep of
+  /// them, the others removed) and routes tokens to the ranks holding theirs through all-to-alls
+  /// (composable/expert_parallel.h). Needed when ep > 1, with `experts`.
+  std::function<void(ModelPart& part, const std::shared_ptr<comm::Communicator>& ep)> expert_parallel;
+  /// The modules that are experts: with ep > 1 each becomes a fully_shard unit over the ranks
+  /// holding the same experts (ParallelMesh::efsdp_group), with the job's data-parallel degree
+  /// as gradient divide factor ([Note: expert parallel mesh] in parallel/parallel_dims.h); the
+  /// other units are `units` without them.
+  std::optional<WrapPolicy> experts;
 };
 
 struct ParallelOptions {
@@ -156,6 +173,8 @@ class ParallelModel {
   friend ParallelModel parallelize(const std::shared_ptr<comm::Communicator>&, const ModelSpec&,
                                    const ParallelOptions&);
   explicit ParallelModel(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  // forward_backward after its checks, on this rank's (context-parallel) chunk of the batch.
+  at::Tensor run_step(const at::Tensor& inputs, const at::Tensor& targets);
   std::shared_ptr<Impl> impl_;
 };
 

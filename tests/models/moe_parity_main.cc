@@ -1,5 +1,6 @@
 // The C++ Qwen3-MoE (models/moe.h) against Hugging Face transformers at one parallel layout:
-//   moe_parity_main HF_DIR REFERENCE OUT DP_REPLICATE DP_SHARD TP PP MICROBATCHES LOSS_PARALLEL VOCAB_MULTIPLE [ac]
+//   moe_parity_main HF_DIR REFERENCE OUT DP_REPLICATE DP_SHARD TP PP MICROBATCHES LOSS_PARALLEL VOCAB_MULTIPLE
+//                   [ac] [ep=N]
 // loads HF_DIR (tests/models/moe_reference.py make) into the job, then checks against REFERENCE,
 // for the split k = data ranks x microbatches of the batch ([Note: auxiliary loss in the training
 // loss] in models/moe_parallel.h: the reference computed each k's loss):
@@ -14,7 +15,8 @@
 //     undone after);
 //   - every parameter and buffer after 3 AdamW steps (lr 1e-2, weight decay 0.1, eps 1e-6; with sigmoid
 //     scoring, update_moe_router_bias after each) and, at pp = 1, the logits;
-// ("ac": with activation checkpointing, the spec's policy.) Then exports the trained model to OUT/export (and its logits to OUT/logits.safetensors), which
+// ("ac": with activation checkpointing, the spec's policy; "ep=N": the experts split over N
+// expert-parallel ranks taken from dp_shard, tokens dispatched by all-to-all.) Then exports the trained model to OUT/export (and its logits to OUT/logits.safetensors), which
 // moe_reference.py check loads in transformers. Exit 1 with the worst differences on a mismatch.
 #include <algorithm>
 #include <cstdio>
@@ -76,14 +78,26 @@ std::shared_ptr<fsdp::models::MoeForCausalLMImpl> moe_of(const fsdp::parallel::M
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 11 && !(argc == 12 && std::string(argv[11]) == "ac")) {
+  bool ac = false, usage = argc < 11;
+  int ep = 1;
+  for (int i = 11; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "ac") {
+      ac = true;
+    } else if (flag.rfind("ep=", 0) == 0) {
+      ep = std::atoi(flag.c_str() + 3);
+    } else {
+      usage = true;
+    }
+  }
+  if (usage) {
     std::fprintf(stderr, "usage: %s HF_DIR REFERENCE OUT DP_REPLICATE DP_SHARD TP PP MICROBATCHES LOSS_PARALLEL "
-                 "VOCAB_MULTIPLE [ac]\n", argv[0]);
+                 "VOCAB_MULTIPLE [ac] [ep=N]\n", argv[0]);
     return 2;
   }
   const std::string hf_dir = argv[1], out = argv[3];
   const fsdp::parallel::ParallelDims dims{.dp_replicate = std::atoi(argv[4]), .dp_shard = std::atoi(argv[5]),
-                                          .tp = std::atoi(argv[6]), .pp = std::atoi(argv[7])};
+                                          .tp = std::atoi(argv[6]), .pp = std::atoi(argv[7]), .ep = ep};
   const int microbatches = std::atoi(argv[8]);
   const bool loss_parallel = std::atoi(argv[9]) != 0;
   auto pg = fsdp::comm::init_process_group();
@@ -94,7 +108,7 @@ int main(int argc, char** argv) {
                                            fsdp::models::MoeParallel().loss_parallel(loss_parallel));
   auto model = fsdp::parallel::parallelize(
       pg.comm, spec,
-      fsdp::parallel::ParallelOptions().dims(dims).n_microbatches(microbatches).checkpoint_activations(argc == 12));
+      fsdp::parallel::ParallelOptions().dims(dims).n_microbatches(microbatches).checkpoint_activations(ac));
   fsdp::models::load_moe_hf(model, config, hf_dir);
   const auto& mesh = model.mesh();
   const int64_t batch = ref["input_ids"].size(0), time = ref["input_ids"].size(1);
