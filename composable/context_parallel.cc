@@ -51,7 +51,8 @@
 // Block kernels: on CPU, ATen's flash attention for CPU (_scaled_dot_product_flash_attention_for_cpu
 // and its backward, which take an explicit out/logsumexp as above: memory O(block) per step);
 // elsewhere the same formulas with matmuls (detail::block_forward_math / block_backward_math).
-// Grouped-query attention: the ring carries Hkv heads; the blocks expand K/V to H heads (head h
+// With one rank (cp = 1) the forward and backward are one kernel call each on the whole chunk, with
+// no K/V buffer or accumulators. Grouped-query attention: the ring carries Hkv heads; the blocks expand K/V to H heads (head h
 // uses kv head h / (H/Hkv), as SDPA's enable_gqa) and sum dK/dV over each group before they
 // enter the accumulator.
 
@@ -199,6 +200,10 @@ std::pair<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::Te
   const int64_t P = L.piece_len();
   const at::Tensor qc = q.to(cd).contiguous();
   std::vector<at::Tensor> out(np), lse(np);
+  if (cp == 1) {  // plain attention: one block, no K/V buffer
+    auto [o, l] = block_forward(qc, expand_heads(k.to(cd), c.group), expand_heads(v.to(cd), c.group), causal, c.scale);
+    return {o.to(q.scalar_type()).contiguous(), l};
+  }
   Ring ring(comm);
   at::Tensor kv = at::stack({k, v}).contiguous();  // [2, B, Hkv, Tl, D], the inputs' dtype
   for (int i = 0; i < cp; ++i) {
@@ -252,6 +257,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(const at::Tensor& d
   const at::Tensor qc = q.to(cd).contiguous();
   const at::Tensor doc = dout.to(cd).contiguous();
   const at::Tensor oc = out.to(cd).contiguous();
+  if (cp == 1) {  // plain attention: one block, no accumulators
+    auto [dq1, dk1, dv1] = block_backward(doc, qc, expand_heads(k.to(cd), c.group), expand_heads(v.to(cd), c.group),
+                                          oc, lse, causal, c.scale);
+    return {dq1.to(q.scalar_type()), reduce_heads(dk1, c.group).to(k.scalar_type()),
+            reduce_heads(dv1, c.group).to(v.scalar_type())};
+  }
   at::Tensor dq = at::zeros_like(qc);
   Ring ring(comm);
   at::Tensor kv = at::stack({k, v}).contiguous();
