@@ -36,7 +36,7 @@ void for_each_full_value(const FSDPModule& root, const FullValueSink& sink, cons
   std::unordered_map<const void*, std::vector<std::string>> fqns;
   for (const auto& item : root.module().named_parameters()) fqns[item.value().unsafeGetTensorImpl()].push_back(item.key());
   c10::NoGradGuard no_grad;
-  auto emit = [&](const at::Tensor& param, at::Tensor full) {
+  auto emit = [&](const at::Tensor& param, at::Tensor full, bool keep) {
     if (!keep) return;
     full = options.offload_to_cpu() ? full.cpu().clone() : full.clone();
     for (const auto& fqn : fqns[param.unsafeGetTensorImpl()]) sink(fqn, full);
@@ -49,6 +49,7 @@ void for_each_full_value(const FSDPModule& root, const FullValueSink& sink, cons
   };
   std::unordered_set<const void*> done;
   for (const auto& unit : units) {
+    const bool keep_unit = !options.rank0_only() || writes_replicated(root, *unit);
     for (const auto& h : unit->handles()) {
       // Full precision (the shards), even where the unsharded parameters are low-precision copies.
       // One handle's full values at a time: they are freed before the next handle is gathered.
@@ -57,7 +58,7 @@ void for_each_full_value(const FSDPModule& root, const FullValueSink& sink, cons
         const auto& e = h->layout().entries[i];
         const at::Tensor& param = h->params()[i].param;
         done.insert(param.unsafeGetTensorImpl());
-        emit(param, global_of(param, flat.narrow(0, e.offset, e.numel).view(e.shape)));
+        emit(param, global_of(param, flat.narrow(0, e.offset, e.numel).view(e.shape)), keep_unit);
       }
     }
   }
@@ -65,7 +66,7 @@ void for_each_full_value(const FSDPModule& root, const FullValueSink& sink, cons
   // order (the same on every rank), then the buffers.
   for (const auto& item : root.module().named_parameters()) {
     if (!done.insert(item.value().unsafeGetTensorImpl()).second) continue;
-    emit(item.value(), global_of(item.value(), item.value().detach()));
+    emit(item.value(), global_of(item.value(), item.value().detach()), keep);
   }
   if (!keep) return;
   for (const auto& item : root.module().named_buffers()) {
@@ -75,11 +76,18 @@ void for_each_full_value(const FSDPModule& root, const FullValueSink& sink, cons
 }
 
 std::vector<FullValueSpec> full_value_specs(const FSDPModule& root) {
+  return full_value_specs(root, FullStateDictOptions().rank0_only(false));
+}
+
+std::vector<FullValueSpec> full_value_specs(const FSDPModule& root, const FullStateDictOptions& options) {
   std::vector<FullValueSpec> specs;
+  const bool keep = !options.rank0_only() || writes_replicated(root);
   for (const auto& p : parameter_placements(root)) {
+    if (!(p.unit ? !options.rank0_only() || writes_replicated(root, *p.unit) : keep)) continue;
     const c10::ScalarType dtype = p.handle ? p.handle->local_shard().scalar_type() : p.param.scalar_type();
     specs.push_back({p.fqn, dtype, p.global_shape});
   }
+  if (!keep) return specs;
   for (const auto& item : root.module().named_buffers()) {
     specs.push_back({item.key(), item.value().scalar_type(), item.value().sizes().vec()});
   }

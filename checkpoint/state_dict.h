@@ -89,6 +89,10 @@ struct FullValueSpec {
   std::vector<int64_t> shape;
 };
 std::vector<FullValueSpec> full_value_specs(const FSDPModule& root);
+/// The specs of the values for_each_full_value gives this rank with `options` (with rank0_only,
+/// those this rank writes: the root's data and tp rank 0 for most, each expert's own rank 0 for
+/// experts on a subset of the root's ranks), in no particular order. Local.
+std::vector<FullValueSpec> full_value_specs(const FSDPModule& root, const FullStateDictOptions& options);
 void for_each_full_value(const FSDPModule& root, const FullValueSink& sink, const FullStateDictOptions& options = {});
 
 /// Parameters (unsharded, in the parameters' dtype) and buffers of `root`'s module, by FQN, in

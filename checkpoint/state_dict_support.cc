@@ -209,6 +209,13 @@ bool writes_replicated(const FSDPModule& root) {
   return WorldGroups(root).dp_rank() == 0 && tensor_parallel_rank0(root.module());
 }
 
+bool writes_replicated(const FSDPModule& root, const FSDPState& unit) {
+  const auto& own = unit.config().comm;
+  if (!own || own == detail::state_of(root).config().comm) return writes_replicated(root);
+  const auto& replicate = unit.config().replicate;
+  return own->rank() == 0 && (!replicate || replicate->rank() == 0) && tensor_parallel_rank0(root.module());
+}
+
 std::optional<TensorPiece> ParameterPlacement::piece() const {
   if (!tp) return std::nullopt;
   return TensorPiece{tp->dim, tp->global_ranges(tp->group->rank())};

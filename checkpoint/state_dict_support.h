@@ -78,6 +78,10 @@ std::vector<ParameterPlacement> parameter_placements(const FSDPModule& root);
 /// with hybrid sharding, of its replicate group, and with tensor parallelism of the TP group
 /// (world rank 0).
 bool writes_replicated(const FSDPModule& root);
+/// The same for the parameters of `unit` inside `root`: a unit on a subset of the root's ranks
+/// (an expert: [Note: units on a subset of the root's ranks] in fsdp/lazy_init.cc) is written by
+/// rank 0 of its own groups, since the root's rank 0 does not hold it.
+bool writes_replicated(const FSDPModule& root, const FSDPState& unit);
 
 /// Why the values of `root`'s parameters cannot be replaced now ("" when they can), naming the
 /// unit: a forward of the root is running, or ran and its backward may still run, or a backward is

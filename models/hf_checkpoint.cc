@@ -166,29 +166,50 @@ void export_hf_checkpoint(parallel::ParallelModel& model, const std::string& dir
     }
   });
   comm::throw_if_any_error({model.world()}, error, kExportApi);
-  const int n_stages = model.n_stages();
+  // The writers: for each stage chunk, the ranks the values reach (for_each_full_value: dp and
+  // tp rank 0 of the stage, and with expert parallelism the first rank holding each ep rank's
+  // experts), one file each, numbered by (stage, world rank) over the job.
+  auto padded = [&](const std::string& fqn) {
+    return std::find(files.padded_rows.begin(), files.padded_rows.end(), fqn) != files.padded_rows.end();
+  };
+  std::vector<std::vector<storage::SafetensorsEntrySpec>> chunk_specs;
+  std::string mine;  // "stage world-rank" per chunk this rank writes
+  for (size_t c = 0; c < model.roots().size(); ++c) {
+    std::vector<storage::SafetensorsEntrySpec> specs;
+    for (auto& v : full_value_specs(model.roots()[c], FullStateDictOptions())) {
+      if (padded(v.fqn) && !v.shape.empty() && v.shape[0] > files.vocab_size) v.shape[0] = files.vocab_size;
+      if (options.dtype() && c10::isFloatingType(v.dtype)) v.dtype = *options.dtype();
+      specs.push_back({v.fqn, v.dtype, v.shape});
+    }
+    if (!specs.empty()) mine += std::to_string(model.stages()[c]) + " " + std::to_string(world.rank()) + "\n";
+    chunk_specs.push_back(std::move(specs));
+  }
+  std::vector<std::pair<int, int>> writers;  // (stage, world rank), sorted
+  for (const auto& text : all_gather_text(world, mine, kExportApi)) {
+    for (const auto& line : split_lines(text)) {
+      std::istringstream in(line);
+      int stage = 0, rank = 0;
+      in >> stage >> rank;
+      writers.emplace_back(stage, rank);
+    }
+  }
+  std::sort(writers.begin(), writers.end());
+  const int n_files = static_cast<int>(writers.size());
   auto file_name = [&](int stage) {
-    if (n_stages == 1) return std::string("model.safetensors");
+    if (n_files == 1) return std::string("model.safetensors");
+    const int index = static_cast<int>(std::find(writers.begin(), writers.end(), std::make_pair(stage, world.rank())) -
+                                       writers.begin());
     char name[64];
-    std::snprintf(name, sizeof(name), "model-%05d-of-%05d.safetensors", stage + 1, n_stages);
+    std::snprintf(name, sizeof(name), "model-%05d-of-%05d.safetensors", index + 1, n_files);
     return std::string(name);
   };
-  // Each stage's writer: the rank full_state_dict gives the values (dp and tp rank 0 of the stage).
   std::string written;  // "file\tkey\tbytes" lines
   error = attempt([&] {
     for (size_t c = 0; c < model.roots().size(); ++c) {
       // The file's entries, known on every rank before anything is gathered; the values stream
       // in one unit at a time (for_each_full_value) and are written at their offsets as they come.
       const auto& root = model.roots()[c];
-      auto padded = [&](const std::string& fqn) {
-        return std::find(files.padded_rows.begin(), files.padded_rows.end(), fqn) != files.padded_rows.end();
-      };
-      std::vector<storage::SafetensorsEntrySpec> specs;
-      for (auto& v : full_value_specs(root)) {
-        if (padded(v.fqn) && !v.shape.empty() && v.shape[0] > files.vocab_size) v.shape[0] = files.vocab_size;
-        if (options.dtype() && c10::isFloatingType(v.dtype)) v.dtype = *options.dtype();
-        specs.push_back({v.fqn, v.dtype, v.shape});
-      }
+      const auto& specs = chunk_specs[c];
       const std::string name = file_name(model.stages()[c]);
       const std::string tmp = dir + "/." + name + ".tmp";
       std::unique_ptr<storage::SafetensorsWriter> writer;  // on the rank the values reach
@@ -235,7 +256,7 @@ void export_hf_checkpoint(parallel::ParallelModel& model, const std::string& dir
       weight_map[key] = where.first;
       total += where.second;
     }
-    if (n_stages > 1) {
+    if (n_files > 1) {
       nlohmann::ordered_json index;
       index["metadata"] = {{"total_size", total}};
       index["weight_map"] = weight_map;

@@ -24,7 +24,9 @@ step "transformers: the same with DeepseekV3MoE blocks (sigmoid, bias, 4 groups 
 
 # layout: ranks dp_replicate dp_shard tp pp microbatches loss_parallel vocab_multiple [flags]
 # flags: "empty": some rank must have called some expert with no row; "ac": activation
-# checkpointing (the spec's policy: attention and MLPs).
+# checkpointing (the spec's policy: attention and MLPs); "ep=N": the experts split over N
+# expert-parallel ranks taken from dp_shard (tokens dispatched by all-to-all; the export written
+# by each ep rank's first holder, one file each).
 run_layout() {
   local dir="$1" name="$2"; shift 2
   local n="$1" out="$dir/out-${name// /_}" log
@@ -33,7 +35,7 @@ run_layout() {
   check_main() {
     local flags=" ${*:9} " rc
     mpi "$n" "$main" "$dir/hf" "$dir/reference.safetensors" "$out" "${@:2:7}" \
-      $( [[ "$flags" == *" ac "* ]] && echo ac ) > "$log" 2>&1
+      $( [[ "$flags" == *" ac "* ]] && echo ac ) $(for f in $flags; do [[ "$f" == ep=* ]] && echo "$f"; done) > "$log" 2>&1
     rc=$?
     grep -v "^\[" "$log" | grep -v "^ *$" | grep -v -- "^---" | head -40
     [ "$rc" -eq 0 ] || return 1
@@ -52,9 +54,15 @@ run_layout "$qwen3"    "pp=2 1F1B"            2 1 1 1 2 2 1 1 empty
 run_layout "$qwen3"    "dp=3"                 3 1 3 1 1 1 1 1 empty
 run_layout "$qwen3"    "dp=2 tp=2"            4 1 2 2 1 1 0 2 empty
 run_layout "$qwen3"    "pp=2 dp=2"            4 1 2 1 2 2 1 1 empty
+run_layout "$qwen3"    "ep=2"                 2 1 2 1 1 1 1 1 empty ep=2
+run_layout "$qwen3"    "ep=4"                 4 1 4 1 1 1 1 1 empty ep=4
+run_layout "$qwen3"    "dp=4 ep=2"            4 1 4 1 1 1 1 1 empty ep=2
+run_layout "$qwen3"    "HSDP 2x2 ep=2"        4 2 2 1 1 1 1 1 empty ep=2
 run_layout "$deepseek" "W=1"                  1 1 1 1 1 1 1 1
 run_layout "$deepseek" "dp=2 tp=2 ac"         4 1 2 2 1 1 1 2 empty ac
 run_layout "$deepseek" "pp=2 dp=2"            4 1 2 1 2 2 1 1 empty
+run_layout "$deepseek" "ep=2 tp=2 ac"         4 1 2 2 1 1 1 2 empty ac ep=2
+run_layout "$deepseek" "ep=2 pp=2"            4 1 2 1 2 2 1 1 empty ep=2
 
 refused() {
   local log="$work/refused.log"
@@ -65,4 +73,13 @@ refused() {
   echo "ranks that named the kv heads: $n"; [ "$n" -eq 4 ] || { cat "$log"; return 1; }
 }
 step "tp=4 with 2 kv heads: refused on every rank, naming num_key_value_heads" refused
+refused_ep() {
+  local log="$work/refused_ep.log"
+  if mpi 3 "$main" "$qwen3/hf" "$qwen3/reference.safetensors" "$work/refused_ep" 1 3 1 1 1 1 1 ep=3 > "$log" 2>&1; then
+    echo "ep=3 with 8 experts was accepted"; return 1
+  fi
+  local n; n=$(grep -c "num_experts (8) must be divisible by the expert-parallel size 3" "$log")
+  echo "ranks that named num_experts: $n"; [ "$n" -eq 3 ] || { cat "$log"; return 1; }
+}
+step "ep=3 with 8 experts: refused on every rank before anything is sharded, naming num_experts" refused_ep
 finish moe_parity_test
