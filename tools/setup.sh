@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs whatever the project needs and this machine lacks; safe to run again, and fast when
-# everything is there. Debian 12: Bazel 4 (bazel-bootstrap, bazel-rules-java), Catch2, Open MPI;
+# everything is there. Debian 12: Bazel 4 (bazel-bootstrap, bazel-rules-java), Catch2, Open MPI,
+# CMake and Ninja;
 # PyPI: every package of tools/requirements.txt (torch, the LibTorch we build against; safetensors
 # and numpy for the interop tests), pinned, in a virtual environment of the project's shared by every
 # clone on this machine (~/.cache/fsdp_cpp/venv; see tools/python_env.sh). `tools/setup.sh --bench`
@@ -11,7 +12,10 @@ cd "$(dirname "$0")/.."
 
 log() { echo "[setup] $*"; }
 
-debs=(bazel-bootstrap bazel-rules-java catch2 libopenmpi-dev openmpi-bin python3 python3-venv nlohmann-json3-dev)
+# cmake and ninja-build: the CMake build (CMakeLists.txt, tools/cmake/check.sh); it finds
+# nlohmann_json and Catch2 through the CMake packages of nlohmann-json3-dev and catch2.
+debs=(bazel-bootstrap bazel-rules-java catch2 libopenmpi-dev openmpi-bin python3 python3-venv nlohmann-json3-dev
+      cmake ninja-build)
 missing=()
 for pkg in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

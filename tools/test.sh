@@ -27,6 +27,12 @@ if python3 tools/check_layering.py; then
 else
   echo "layering_check failed" >> "$extra"
 fi
+# The CMake build's target list (cmake/targets.cmake) must match the BUILD files.
+if python3 tools/cmake/gen_cmake_targets.py --check; then
+  echo "cmake_targets_check passed" >> "$extra"
+else
+  echo "cmake_targets_check failed" >> "$extra"
+fi
 # A disk cache shared by every checkout on this machine (a fresh clone reuses what another built;
 # FSDP_DISK_CACHE= turns it off).
 cache="${FSDP_DISK_CACHE-$HOME/.cache/fsdp_cpp/disk_cache}"
