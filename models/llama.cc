@@ -1,3 +1,4 @@
+#include "fsdp_cpp/composable/context_parallel.h"
 #include "fsdp_cpp/models/llama.h"
 
 #include <cmath>
@@ -194,20 +195,8 @@ at::Tensor LlamaAttentionImpl::forward(at::Tensor x) {
               " key features, not whole heads of ", head_dim_, " in the model's ratio ", group_,
               " (the tensor-parallel size must divide num_key_value_heads)");
   auto heads = [&](const at::Tensor& t, int64_t n) { return t.view({batch, time, n, head_dim_}).transpose(1, 2); };
-  at::Tensor q = heads(q_out, q_heads), k = heads(k_out, kv_heads), v = heads(v_out, kv_heads);
-  // Rotary positions 0 .. time - 1, in float32 as transformers computes them, then x's dtype.
-  const at::Tensor positions = at::arange(time, at::TensorOptions().dtype(at::kFloat).device(x.device()));
-  const at::Tensor freqs = at::outer(positions, inv_freq_.to(x.device()));
-  const at::Tensor angles = at::cat({freqs, freqs}, -1);
-  const at::Tensor cos = angles.cos().to(q.scalar_type()), sin = angles.sin().to(q.scalar_type());
-  q = q * cos + rotate_half(q) * sin;
-  k = k * cos + rotate_half(k) * sin;
-  if (group_ > 1) {
-    k = k.repeat_interleave(group_, 1);
-    v = v.repeat_interleave(group_, 1);
-  }
-  at::Tensor y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
-                                                  /*scale=*/1.0 / std::sqrt(static_cast<double>(head_dim_)));
+  at::Tensor y = causal_lm::rotary_causal_attention(heads(q_out, q_heads), heads(k_out, kv_heads),
+                                                    heads(v_out, kv_heads), inv_freq_, group_, head_dim_, cp_);
   y = y.transpose(1, 2).reshape({batch, time, q_heads * head_dim_});
   return o_proj(y);
 }
@@ -233,6 +222,31 @@ at::Tensor LlamaDecoderLayerImpl::forward(at::Tensor x) {
 }
 
 namespace causal_lm {
+
+at::Tensor rotary_causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const at::Tensor& inv_freq, int64_t group,
+                                   int64_t head_dim, const std::shared_ptr<comm::Communicator>& cp) {
+  const int64_t time = q.size(2);
+  // Rotary positions (0 .. time - 1, or this cp rank's global positions), in float32 as
+  // transformers computes them, then the activations' dtype.
+  const auto floats = at::TensorOptions().dtype(at::kFloat).device(q.device());
+  const at::Tensor positions = cp && cp->size() > 1
+                                   ? cp::global_positions(time, cp->size(), cp->rank()).to(floats)
+                                   : at::arange(time, floats);
+  const at::Tensor freqs = at::outer(positions, inv_freq.to(q.device()));
+  const at::Tensor angles = at::cat({freqs, freqs}, -1);
+  const at::Tensor cos = angles.cos().to(q.scalar_type()), sin = angles.sin().to(q.scalar_type());
+  q = q * cos + rotate_half(q) * sin;
+  k = k * cos + rotate_half(k) * sin;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  if (cp && cp->size() > 1) {
+    return cp::ring_attention(q, k, v, *cp, cp::RingAttentionOptions().scale(scale));  // GQA inside
+  }
+  if (group > 1) {
+    k = k.repeat_interleave(group, 1);
+    v = v.repeat_interleave(group, 1);
+  }
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true, scale);
+}
 
 std::string layers_text(const contract::ModuleList& layers) {
   if (layers->is_empty()) return "no layers";

@@ -43,6 +43,7 @@
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 
+#include "fsdp_cpp/comm/communicator.h"
 #include "fsdp_cpp/composable/tensor_parallel.h"
 #include "fsdp_cpp/contract/hookable_module_holder.h"
 #include "fsdp_cpp/contract/hookable_module_list.h"
@@ -151,10 +152,15 @@ class LlamaAttentionImpl : public torch::nn::Module {
   contract::Linear v_proj{nullptr};
   contract::Linear o_proj{nullptr};
 
+  /// Context parallel: attend over the sequence split across `cp` (ring attention, global rotary
+  /// positions); null: the whole sequence is here.
+  void set_context_parallel(std::shared_ptr<comm::Communicator> cp) { cp_ = std::move(cp); }
+
  private:
   int64_t head_dim_;
   int64_t group_;  // query heads per key/value head
   at::Tensor inv_freq_;  // not a buffer: transformers does not save it either
+  std::shared_ptr<comm::Communicator> cp_;
 };
 FSDP_HOOKABLE_MODULE(LlamaAttention);
 
@@ -213,6 +219,13 @@ void keep_stage(torch::nn::Module& root, LlamaModel& model, contract::Linear& lm
                 pipeline::BlockRange range, bool first, bool last, const std::string& api);
 /// "layers 2 .. 3" or "no layers", for messages.
 std::string layers_text(const contract::ModuleList& layers);
+/// Rotary embeddings on q and k ([batch, heads, time, head_dim], k and v with kv heads), then
+/// causal attention with `group` query heads per kv head: scaled_dot_product_attention, or with a
+/// context-parallel group fsdp::cp::ring_attention over the sequence split across it (the
+/// load-balanced head-tail layout of composable/context_parallel.h), the rotary positions then
+/// this rank's global positions. Returns [batch, heads, time, head_dim].
+at::Tensor rotary_causal_attention(at::Tensor q, at::Tensor k, at::Tensor v, const at::Tensor& inv_freq, int64_t group,
+                                   int64_t head_dim, const std::shared_ptr<comm::Communicator>& cp);
 
 }  // namespace causal_lm
 

@@ -1,3 +1,4 @@
+#include "fsdp_cpp/composable/context_parallel.h"
 #include "fsdp_cpp/models/llama_parallel.h"
 
 #include <ATen/ATen.h>
@@ -86,6 +87,25 @@ parallel::LossFn parallelize_llama(LlamaForCausalLM& model, const std::shared_pt
   };
 }
 
+void context_parallelize_llama(LlamaForCausalLM& model, const std::shared_ptr<comm::Communicator>& group) {
+  TORCH_CHECK(group != nullptr, "context_parallelize_llama: expected a context-parallel group, found none");
+  for (auto& layer : model->layer_list()) layer->self_attn->set_context_parallel(group);
+}
+
+int64_t llama_ring_bytes_per_step(const LlamaConfig& config, const parallel::ParallelDims& dims, int64_t rows,
+                                  int64_t seq, int microbatches, bool activation_checkpointing) {
+  if (dims.cp <= 1) return 0;
+  const int64_t per_attention = cp::ring_attention_bytes_per_rank(
+      rows / microbatches, config.kv_heads() / dims.tp, seq / dims.cp, config.head_size(), dims.cp, at::kFloat,
+      /*backward=*/true);
+  const int64_t recompute = activation_checkpointing
+                                ? cp::ring_attention_bytes_per_rank(rows / microbatches, config.kv_heads() / dims.tp,
+                                                                    seq / dims.cp, config.head_size(), dims.cp,
+                                                                    at::kFloat, /*backward=*/false)
+                                : 0;
+  return (per_attention + recompute) * microbatches * (config.num_hidden_layers() / dims.pp);
+}
+
 parallel::ModelSpec llama_model_spec(const LlamaConfig& config, uint64_t init_seed, const LlamaParallel& options) {
   config.validate();
   parallel::ModelSpec spec;
@@ -105,6 +125,10 @@ parallel::ModelSpec llama_model_spec(const LlamaConfig& config, uint64_t init_se
     LlamaForCausalLM model(std::dynamic_pointer_cast<LlamaForCausalLMImpl>(part.module));
     parallel::LossFn loss = parallelize_llama(model, group, options);
     return options.loss_parallel() ? loss : parallel::LossFn{};
+  };
+  spec.context_parallel = [](parallel::ModelPart& part, const std::shared_ptr<comm::Communicator>& group) {
+    LlamaForCausalLM model(std::dynamic_pointer_cast<LlamaForCausalLMImpl>(part.module));
+    context_parallelize_llama(model, group);
   };
   return spec;
 }

@@ -65,6 +65,19 @@ TensorParallelPlan llama_tensor_parallel_plan(const LlamaForCausalLMImpl& model,
 parallel::LossFn parallelize_llama(LlamaForCausalLM& model, const std::shared_ptr<comm::Communicator>& group,
                                    const LlamaParallel& options = {});
 
+/// Context parallel: every attention of `model` attends over the sequence split across `group`
+/// (fsdp::cp::ring_attention; rotary positions global). The inputs and targets must be split the
+/// same way (fsdp::cp::shard_sequence, load-balanced; the composition root does it with cp > 1).
+void context_parallelize_llama(LlamaForCausalLM& model, const std::shared_ptr<comm::Communicator>& group);
+
+/// The bytes one rank sends through the context-parallel ring in one training step (closed form:
+/// fsdp::cp::ring_attention_bytes_per_rank per attention, forward and backward, again for the
+/// forward recomputed under activation checkpointing), for `rows` sequences of `seq` tokens per
+/// data rank in `microbatches`, float32 activations, on a rank holding num_hidden_layers / pp
+/// layers. 0 when cp is 1.
+int64_t llama_ring_bytes_per_step(const LlamaConfig& config, const parallel::ParallelDims& dims, int64_t rows,
+                                  int64_t seq, int microbatches, bool activation_checkpointing);
+
 /// The spec above.
 parallel::ModelSpec llama_model_spec(const LlamaConfig& config, uint64_t init_seed, const LlamaParallel& options = {});
 

@@ -255,18 +255,7 @@ at::Tensor MoeAttentionImpl::forward(at::Tensor x) {
   at::Tensor q = head_norm(q_norm, q_out.view({batch, time, q_heads, head_dim_})).transpose(1, 2);
   at::Tensor k = head_norm(k_norm, k_out.view({batch, time, kv_heads, head_dim_})).transpose(1, 2);
   at::Tensor v = v_out.view({batch, time, kv_heads, head_dim_}).transpose(1, 2);
-  const at::Tensor positions = at::arange(time, at::TensorOptions().dtype(at::kFloat).device(x.device()));
-  const at::Tensor freqs = at::outer(positions, inv_freq_.to(x.device()));
-  const at::Tensor angles = at::cat({freqs, freqs}, -1);
-  const at::Tensor cos = angles.cos().to(q.scalar_type()), sin = angles.sin().to(q.scalar_type());
-  q = q * cos + rotate_half(q) * sin;
-  k = k * cos + rotate_half(k) * sin;
-  if (group_ > 1) {
-    k = k.repeat_interleave(group_, 1);
-    v = v.repeat_interleave(group_, 1);
-  }
-  at::Tensor y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
-                                                  /*scale=*/1.0 / std::sqrt(static_cast<double>(head_dim_)));
+  at::Tensor y = causal_lm::rotary_causal_attention(q, k, v, inv_freq_, group_, head_dim_, cp_);
   y = y.transpose(1, 2).reshape({batch, time, q_heads * head_dim_});
   return o_proj(y);
 }

@@ -191,6 +191,8 @@ class MoeAttentionImpl : public torch::nn::Module {
   /// tp::copy_to_tp: identity forward, gradient all-reduced over tp, transformers'
   /// "replicated_with_grad_allreduce"). The norms are then computed here, from their weights.
   void set_head_norm_weight_fn(std::function<at::Tensor(const at::Tensor&)> fn) { norm_weight_fn_ = std::move(fn); }
+  /// Context parallel (see LlamaAttention::set_context_parallel).
+  void set_context_parallel(std::shared_ptr<comm::Communicator> cp) { cp_ = std::move(cp); }
 
   contract::Linear q_proj{nullptr};
   contract::Linear k_proj{nullptr};
@@ -205,6 +207,7 @@ class MoeAttentionImpl : public torch::nn::Module {
   double eps_;
   at::Tensor inv_freq_;
   std::function<at::Tensor(const at::Tensor&)> norm_weight_fn_;
+  std::shared_ptr<comm::Communicator> cp_;
 };
 FSDP_HOOKABLE_MODULE(MoeAttention);
 

@@ -102,6 +102,16 @@ parallel::LossFn parallelize_moe(MoeForCausalLM& model, const std::shared_ptr<co
   });
 }
 
+int64_t moe_all_to_all_bytes_per_step(const MoeConfig& config, const parallel::ParallelDims& dims, int64_t rows,
+                                      int64_t seq, int microbatches) {
+  if (dims.ep <= 1) return 0;
+  const int64_t pairs = rows / microbatches * (seq / dims.cp) * config.num_experts_per_tok();
+  const int64_t row_bytes = config.hidden_size() * 4;
+  const int64_t forward = 2 * pairs * row_bytes;  // dispatch, combine
+  const int64_t per_layer = 2 * forward;  // the backward sends as much
+  return per_layer * microbatches * (config.num_sparse_layers() / dims.pp);
+}
+
 void expert_parallelize_moe(MoeForCausalLM& model, const std::shared_ptr<comm::Communicator>& group) {
   const MoeConfig& c = model->config();
   TORCH_CHECK(group != nullptr, "expert_parallelize_moe: expected an expert-parallel group, found none");

@@ -84,6 +84,17 @@ parallel::LossFn moe_loss(const MoeConfig& config, parallel::LossFn base);
 /// naming the layer, when ep does not divide num_experts.
 void expert_parallelize_moe(MoeForCausalLM& model, const std::shared_ptr<comm::Communicator>& group);
 
+/// The bytes of one training step's expert-parallel all-to-alls on one rank, as
+/// comm::Communicator counts them (the inputs: each layer's N*k pair rows dispatched and the rows
+/// received back, forward and backward; activation checkpointing recomputes the experts, not the
+/// dispatch, so it adds nothing), with
+/// balanced routing (a rank receives as many pair rows as it sends): `rows` sequences of `seq`
+/// tokens per data rank in `microbatches`, float32, num_sparse_layers / pp sparse layers on the
+/// rank. The measured figure moves with the routing; fsdp::ep::all_to_all_bytes gives it exactly
+/// for one layer. 0 when ep is 1.
+int64_t moe_all_to_all_bytes_per_step(const MoeConfig& config, const parallel::ParallelDims& dims, int64_t rows,
+                                      int64_t seq, int microbatches);
+
 parallel::ModelSpec moe_model_spec(const MoeConfig& config, uint64_t init_seed, const MoeParallel& options = {});
 
 /// [Note: aux-loss-free balancing]: sums every held sparse layer's expert loads over the job's

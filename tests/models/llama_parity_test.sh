@@ -10,10 +10,12 @@ set -u
 main="$1"; python="$2"; reference="$3"
 source "$4"
 
-untied="$work/untied"; tied="$work/tied"
+untied="$work/untied"; tied="$work/tied"; long="$work/long"
 step "transformers: an untied Llama with llama3 rope scaling, GQA 4:2, vocabulary 101" \
   "$python" "$reference" make "$untied" --model llama --rope llama3
 step "transformers: a tied Llama" "$python" "$reference" make "$tied" --model llama --tied
+step "transformers: the untied Llama on 24-token sequences (context parallel: 24 splits into 2 x cp pieces at cp 2, 3, 4)" \
+  "$python" "$reference" make "$long" --model llama --rope llama3 --time 24
 
 # layout: ranks dp_replicate dp_shard tp pp microbatches loss_parallel vocab_multiple [ac] [sp]
 run_layout() {
@@ -46,6 +48,14 @@ run_layout "$untied" "HSDP 2x2"                4 2 2 1 1 1 1 1
 run_layout "$untied" "pp=2 dp=2 checkpointed"  4 1 2 1 2 2 1 1 ac
 run_layout "$tied"   "W=1"                     1 1 1 1 1 1 1 1
 run_layout "$tied"   "dp=2 tp=2 sp"            4 1 2 2 1 1 1 2 sp
+# Context parallel (cp=N): each sequence's head-tail chunks on N ranks, ring attention.
+run_layout "$long"   "cp=2"                    2 1 1 1 1 1 1 1 cp=2
+run_layout "$long"   "cp=3"                    3 1 1 1 1 1 1 1 cp=3
+run_layout "$long"   "cp=4"                    4 1 1 1 1 1 1 1 cp=4
+run_layout "$long"   "cp=2 dp=2"               4 1 2 1 1 1 1 1 cp=2
+run_layout "$long"   "cp=2 tp=2 sp"            4 1 1 2 1 1 1 2 sp cp=2
+run_layout "$long"   "cp=2 pp=2 checkpointed"  4 1 1 1 2 2 1 1 ac cp=2
+run_layout "$long"   "cp=2 HSDP 2x1"           4 2 1 1 1 1 1 1 cp=2
 
 refused() {
   local log="$work/refused.log"
@@ -56,4 +66,13 @@ refused() {
   echo "ranks that named the kv heads: $n"; [ "$n" -eq 4 ] || { cat "$log"; return 1; }
 }
 step "tp=4 with 2 kv heads: refused on every rank, naming num_key_value_heads" refused
+refused_cp() {
+  local log="$work/refused_cp.log"
+  if mpi 3 "$main" "$untied/hf" "$untied/reference.safetensors" "$work/refused_cp" 1 1 1 1 1 1 1 cp=3 > "$log" 2>&1; then
+    echo "cp=3 with 16-token sequences was accepted"; return 1
+  fi
+  local n; n=$(grep -c "forward_backward: step 1 refused on every rank: rank 0: .*T = 16 cannot be split over cp = 3.*2 \* cp = 6" "$log")
+  echo "ranks that named the sequence length: $n"; [ "$n" -eq 3 ] || { grep -v "^\[" "$log" | head -5; return 1; }
+}
+step "cp=3 with 16-token sequences (not 2 x cp pieces): refused on every rank before anything communicates" refused_cp
 finish llama_parity_test
