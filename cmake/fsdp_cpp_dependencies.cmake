@@ -79,7 +79,7 @@ function(fsdp_cpp_define_dependency_targets)
   endif()
   # GLOBAL in the project's own build, so that a parent project using add_subdirectory sees them.
   set(global "")
-  if(FSDP_CPP_IN_SOURCE_BUILD)
+  if(FSDP_CPP_FROM_SOURCE_TREE)
     set(global GLOBAL)
   endif()
 

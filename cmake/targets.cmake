@@ -1132,6 +1132,8 @@ fsdp_cpp_cc_library(//models:llama
     hf_json.h
     llama.h
   DEPS
+    //comm:communicator
+    //composable:context_parallel
     //composable:tensor_parallel
     //contract:hookable_module_holder
     //contract:hookable_module_list
@@ -2733,6 +2735,7 @@ fsdp_cpp_cc_binary(//tests/models:llama_parity_main
     //checkpoint:full_state_dict_files
     //checkpoint:state_dict
     //comm:init
+    //composable:context_parallel
     //models:hf_checkpoint
     //models:llama
     //models:llama_parallel

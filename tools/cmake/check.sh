@@ -11,7 +11,9 @@
 #      on 1 and 2 ranks (rank 0 prints "step 0..2: loss"), train_tiny without a launcher and under
 #      mpirun on 1 and 2 ranks (exit status 0 and "losses match the unsharded reference": each
 #      step's loss equals the unsharded run's);
-#   5. configures a project that uses the source tree through add_subdirectory (same target names).
+#   5. configures a project that uses the source tree through add_subdirectory (same target names)
+#      and checks train_tiny's link line; FSDP_CMAKE_CHECK_SUBDIR_BUILD=1 also builds it there and
+#      runs it on 2 ranks (the library compiled a second time).
 # Prints the time of each phase and ends with "cmake check: passed" (exit 0) or
 # "cmake check: FAILED" (exit 1).
 #
@@ -133,7 +135,16 @@ target_link_libraries(train_tiny PRIVATE fsdp_cpp::fully_shard)
 CMAKE
 nice -n 19 cmake -S "$sub" -B "$sub/build" -G "$generator" > "$work/subdir.log" 2>&1 ||
   { tail -n 40 "$work/subdir.log"; fail "add_subdirectory of the source tree does not configure"; }
-if [ "$generator" = Ninja ]; then
+if [ "${FSDP_CMAKE_CHECK_SUBDIR_BUILD:-0}" = 1 ]; then
+  # Opt-in: compiles the library again (the closure of fully_shard, ~60 files) inside that project.
+  nice -n 19 cmake --build "$sub/build" -j "$jobs" --target train_tiny ||
+    fail "add_subdirectory: train_tiny does not build"
+  "${mpi[@]}" -np 2 "$sub/build/train_tiny" > "$work/sub_tiny.log" 2>&1
+  rc=$?
+  cat "$work/sub_tiny.log"
+  [ $rc -eq 0 ] && grep -q "on 2 rank(s): losses match the unsharded reference" "$work/sub_tiny.log" ||
+    fail "add_subdirectory: train_tiny failed on 2 ranks"
+elif [ "$generator" = Ninja ]; then
   # The link line of train_tiny: the project's archives and LibTorch, without building them.
   (cd "$sub/build" && ninja -t commands train_tiny | tail -n 1 | grep -q "libfsdp_cpp_composable_fully_shard.a") ||
     fail "add_subdirectory: train_tiny does not link fsdp_cpp::fully_shard's archive"
