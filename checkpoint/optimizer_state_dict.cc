@@ -299,7 +299,8 @@ ShardedStateDict sharded_optimizer_state_dict(const FSDPModule& root, torch::opt
     const ParameterPlacement& p = *h.placement;
     if (has_step(kind)) {
       state.emplace_back(state_key(p.fqn, "step"),
-                         LocalShard{at::full({1}, static_cast<double>(access.step(p.param)), at::kFloat), {}, 0, writer});
+                         LocalShard{at::full({1}, static_cast<double>(access.step(p.param)), at::kFloat), {}, 0,
+                                    p.unit ? writes_replicated(root, *p.unit) : writer});
     }
     for (const auto& name : state_names(kind, optim.param_groups()[h.group].options())) {
       at::Tensor t = access.tensor(p.param, name);
@@ -323,7 +324,8 @@ ShardedStateDict sharded_optimizer_state_dict(const FSDPModule& root, torch::opt
     for (const auto& name : hyperparameter_names(kind)) {
       const at::Tensor value = hyperparameter(kind, optim.param_groups()[h.group].options(), name);
       state.emplace_back(group_key(h.placement->fqn, name),
-                         LocalShard{value.reshape({-1}), hyperparameter_shape(name), 0, writer});
+                         LocalShard{value.reshape({-1}), hyperparameter_shape(name), 0,
+                                    h.placement->unit ? writes_replicated(root, *h.placement->unit) : writer});
     }
   }
   return state;
@@ -458,10 +460,11 @@ torch::OrderedDict<std::string, at::Tensor> full_optimizer_state_dict(const FSDP
     if (p.handle == nullptr || !p.sliced) {
       for (const auto& name : state_names(kind, optim.param_groups()[h.group].options())) {
         const at::Tensor t = access.tensor(p.param, name);
-        if (!keep && !p.tp) continue;
+        const bool keep_here = p.unit ? !options.rank0_only() || writes_replicated(root, *p.unit) : keep;
+        if (!keep_here && !p.tp) continue;
         const at::Tensor full =
             global_of(p, t.defined() ? t.reshape(p.piece_shape) : at::zeros(p.piece_shape, state_options(p)));
-        if (keep) values[{p.param.unsafeGetTensorImpl(), name}] = finish(full);
+        if (keep_here) values[{p.param.unsafeGetTensorImpl(), name}] = finish(full);
       }
       continue;
     }
@@ -494,11 +497,12 @@ torch::OrderedDict<std::string, at::Tensor> full_optimizer_state_dict(const FSDP
         }
         at::Tensor full = at::empty({layout.padded_numel}, shard.options());
         comm->all_gather_into_tensor(full, shard, "optimizer_state_dict").wait();
+        const bool keep_unit = !options.rank0_only() || writes_replicated(root, *unit);
         for (const Held* h : it->second) {
-          if (!keep && !h->placement->tp) continue;
+          if (!keep_unit && !h->placement->tp) continue;
           const auto& e = layout.entries[h->placement->entry];
           const at::Tensor value = global_of(*h->placement, full.narrow(0, e.offset, e.numel).view(e.shape));
-          if (keep) values[{h->placement->param.unsafeGetTensorImpl(), name}] = finish(value);
+          if (keep_unit) values[{h->placement->param.unsafeGetTensorImpl(), name}] = finish(value);
         }
       }
     }
@@ -514,16 +518,22 @@ torch::OrderedDict<std::string, at::Tensor> full_optimizer_state_dict(const FSDP
     if (const auto tp = tensor_parallel_group(root.module())) tp->all_reduce(steps, c10d::ReduceOp::MAX).wait();
     steps = steps.cpu();
   }
+  // What this rank keeps: with rank0_only the root's writer, and for experts on a subset of the
+  // root's ranks each one's own first rank ([Note: units on a subset of the root's ranks]).
+  auto kept = [&](const ParameterPlacement& p) {
+    return p.unit ? !options.rank0_only() || writes_replicated(root, *p.unit) : keep;
+  };
   Dict state;
-  if (!keep) return state;
   for (size_t i = 0; i < held.size(); ++i) {
     const ParameterPlacement& p = *held[i].placement;
+    if (!kept(p)) continue;
     if (has_step(kind)) state.insert(state_key(p.fqn, "step"), steps[static_cast<int64_t>(i)].to(at::kFloat).clone());
     for (const auto& name : state_names(kind, optim.param_groups()[held[i].group].options())) {
       state.insert(state_key(p.fqn, name), values.at({p.param.unsafeGetTensorImpl(), name}));
     }
   }
   for (const auto& h : held) {
+    if (!kept(*h.placement)) continue;
     for (const auto& name : hyperparameter_names(kind)) {
       state.insert(group_key(h.placement->fqn, name), hyperparameter(kind, optim.param_groups()[h.group].options(), name));
     }

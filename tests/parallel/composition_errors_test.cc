@@ -74,6 +74,44 @@ FSDP_RANKS_TEST_CASE("parallelize: layouts that do not fit the world are refused
   }
 }
 
+FSDP_RANKS_TEST_CASE("parallelize: cp and ep layouts the world or the model cannot take are refused on every rank",
+                     "[parallel]") {
+  const int w = fsdp::testing::world_size();
+  // ep must divide dp_shard x cp (it borrows from those ranks).
+  std::string e = error_of([&] {
+    fsdp::parallel::parallelize(fsdp::testing::fresh_comm(), spec_of(config()),
+                                ParallelOptions().dims({.dp_shard = w, .ep = w + 1}));
+  });
+  CHECK_THAT(e, Contains("ep (" + std::to_string(w + 1) + ") must divide dp_shard x cp (" + std::to_string(w) + ")"));
+  check_same(e);
+  // cp and ep multiply into the world size with the others.
+  e = error_of([&] {
+    fsdp::parallel::parallelize(fsdp::testing::fresh_comm(), spec_of(config()),
+                                ParallelOptions().dims({.dp_shard = w, .cp = 2}));
+  });
+  CHECK_THAT(e, Contains("cp=2") && Contains("expected the world size " + std::to_string(w)));
+  check_same(e);
+  // A model without a context-parallel attention or expert routing (the GPT of the examples).
+  e = error_of([&] {
+    fsdp::parallel::parallelize(fsdp::testing::fresh_comm(), spec_of(config()),
+                                ParallelOptions().dims({.dp_shard = 1, .cp = w}));
+  });
+  if (w > 1) {
+    CHECK_THAT(e, Contains("cp = " + std::to_string(w) + " but ModelSpec::context_parallel is empty"));
+  } else {
+    CHECK(e == fsdp::testing::kNoError);  // cp = 1 needs nothing
+  }
+  check_same(e);
+  if (w > 1) {
+    e = error_of([&] {
+      fsdp::parallel::parallelize(fsdp::testing::fresh_comm(), spec_of(config()),
+                                  ParallelOptions().dims({.dp_shard = w, .ep = w}));
+    });
+    CHECK_THAT(e, Contains("ep = " + std::to_string(w) + " but ModelSpec::expert_parallel is empty"));
+    check_same(e);
+  }
+}
+
 FSDP_RANKS_TEST_CASE("parallelize: a model the layout cannot take, or a build failing on one rank, is refused on every "
                      "rank", "[parallel]") {
   const int w = fsdp::testing::world_size();
