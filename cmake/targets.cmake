@@ -2785,6 +2785,22 @@ fsdp_cpp_cc_test(//tests/models:moe_test
     //pipeline:stage_split
     //tests/testing:errors
     @libtorch//:torch_cpu)
+fsdp_cpp_mpi_test(//tests/models:parallel_resume_test
+  PACKAGE tests/models
+  NAME parallel_resume_test
+  SRCS
+    parallel_resume_test.cc
+  DEPS
+    //checkpoint:state_dict
+    //models:llama
+    //models:llama_parallel
+    //models:moe
+    //models:moe_parallel
+    //parallel:checkpoint
+    //parallel:parallel_model
+    //parallel:reference
+    @libtorch//:torch_cpu
+  WORLD_SIZES 2,3,4)
 
 # ---- //tests/optim (tests/optim/BUILD.bazel)
 fsdp_cpp_cc_test(//tests/optim:flat_optimizers_test

@@ -224,8 +224,16 @@ def generate():
 def parse_existing(text):
     """{label: block} of an existing targets.cmake."""
     blocks = {}
-    for m in re.finditer(r"^(fsdp_cpp_\w+)\((\S+)\n(?:.*\n)*?.*\)\n", text, re.M):
-        blocks[m.group(2)] = m.group(0)
+    label = None
+    for line in text.splitlines(keepends=True):
+        m = re.match(r"fsdp_cpp_\w+\((\S+)$", line)
+        if m:
+            label = m.group(1)
+            blocks[label] = line
+        elif label and line.startswith("  "):
+            blocks[label] += line
+        else:
+            label = None
     return blocks
 
 
