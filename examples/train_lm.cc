@@ -30,6 +30,7 @@
 #include "fsdp_cpp/data/token_dataset.h"
 #include "fsdp_cpp/examples/example_main.h"
 #include "fsdp_cpp/examples/flags.h"
+#include "fsdp_cpp/tools/bench/counting_allocator.h"
 #include "fsdp_cpp/models/hf_checkpoint.h"
 #include "fsdp_cpp/models/llama.h"
 #include "fsdp_cpp/models/llama_parallel.h"
@@ -56,6 +57,10 @@ constexpr const char* kUsage = R"(usage: train_lm [options]   (launched by tools
   --microbatches M       microbatches per step (default: 2, or pp with a pipeline)
   --checkpoint-activations   activation checkpointing on each decoder layer
   --sequence-parallel    with --tp: the residual stream and norms split along the sequence
+  --cp C                 context parallel: each sequence split over C ranks (ring attention; --seq
+                         must divide into 2 x C pieces); Llama
+  --ep E                 expert parallel: the experts split over E of the data-parallel ranks
+                         (dp x cp must divide by E; tokens dispatched by all-to-all); MoE
   --steps S --layers L --hidden H --heads N --kv-heads K --intermediate I --seq T --batch B (per data rank)
   --lr X --clip X (0: off) --seed N --threads N
   MoE: --experts E (8) --top-k K (2) --moe-intermediate I (64) --shared-experts N (0)
@@ -64,6 +69,9 @@ constexpr const char* kUsage = R"(usage: train_lm [options]   (launched by tools
   --peak-tflops X        the peak per rank that MFU is stated against (default 0.1: about what one core
                          of this class of CPU does in float32; an H100's bf16 dense peak is 989)
   --check-unsharded 0|1  train the unsharded model on one process too and compare (default 1)
+  --activation-budget-mib X   stop after the first step, on every rank, when its forward/backward peak
+                         above the held state exceeds X MiB on some rank (the memory a rank can give to
+                         activations; --cp splits them)
 )";
 
 struct Flags {
@@ -71,11 +79,11 @@ struct Flags {
               scoring = "softmax";
   int64_t experts = 8, top_k = 2, moe_intermediate = 64, shared_experts = 0;
   double aux_coef = 0.01, bias_rate = 0.001;
-  int dp_replicate = 1, dp = -1, tp = 1, pp = 1, microbatches = 0;
+  int dp_replicate = 1, dp = -1, tp = 1, pp = 1, cp = 1, ep = 1, microbatches = 0;
   bool checkpoint_activations = false, sequence_parallel = false, check_unsharded = true;
   int64_t steps = 20, layers = 4, hidden = 64, heads = 4, kv_heads = 2, intermediate = 176, seq = 64, batch = 4,
           threads = 1;
-  double lr = 3e-3, clip = 1.0, peak_tflops = 0.1;
+  double lr = 3e-3, clip = 1.0, peak_tflops = 0.1, activation_budget_mib = 0;
   uint64_t seed = 0;
 };
 
@@ -107,6 +115,8 @@ Flags parse_flags(int argc, char** argv) {
     else if (name == "--dp") f.dp = static_cast<int>(parse_int_flag(name, value, 1));
     else if (name == "--tp") f.tp = static_cast<int>(parse_int_flag(name, value, 1));
     else if (name == "--pp") f.pp = static_cast<int>(parse_int_flag(name, value, 1));
+    else if (name == "--cp") f.cp = static_cast<int>(parse_int_flag(name, value, 1));
+    else if (name == "--ep") f.ep = static_cast<int>(parse_int_flag(name, value, 1));
     else if (name == "--microbatches") f.microbatches = static_cast<int>(parse_int_flag(name, value, 1));
     else if (name == "--steps") f.steps = parse_int_flag(name, value, 1);
     else if (name == "--layers") f.layers = parse_int_flag(name, value, 1);
@@ -121,6 +131,7 @@ Flags parse_flags(int argc, char** argv) {
     else if (name == "--lr") f.lr = parse_double_flag(name, value, 1e-12);
     else if (name == "--clip") f.clip = parse_double_flag(name, value, 0.0);
     else if (name == "--peak-tflops") f.peak_tflops = parse_double_flag(name, value, 1e-9);
+    else if (name == "--activation-budget-mib") f.activation_budget_mib = parse_double_flag(name, value, 0.0);
     else if (name == "--check-unsharded") f.check_unsharded = parse_int_flag(name, value, 0) != 0;
     else throw std::invalid_argument("unknown argument '" + name + "'");
   }
@@ -147,7 +158,15 @@ struct LanguageModel {
   std::function<void(fsdp::parallel::ParallelModel&, const std::string&)> load, save;
   std::function<void(fsdp::parallel::ParallelModel&)> after_step;
   std::function<void(fsdp::parallel::UnshardedReference&)> reference_after_step;
+  /// Lines of the plan about this model's cp/ep communication (closed forms), or empty.
+  std::function<std::string(const Flags&, const fsdp::parallel::ParallelDims&)> plan;
 };
+
+std::string megabytes(int64_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.2f MB", static_cast<double>(bytes) / 1e6);
+  return text;
+}
 
 LanguageModel llama(const Flags& f, int64_t vocab, int64_t vocab_multiple, uint64_t init_seed) {
   const fsdp::models::LlamaConfig config =
@@ -179,6 +198,14 @@ LanguageModel llama(const Flags& f, int64_t vocab, int64_t vocab_multiple, uint6
   };
   m.save = [config](fsdp::parallel::ParallelModel& model, const std::string& dir) {
     fsdp::models::export_llama_hf(model, config, dir);
+  };
+  m.plan = [config](const Flags& f, const fsdp::parallel::ParallelDims& dims) {
+    if (dims.cp == 1) return std::string();
+    return "plan: context parallel: the ring sends " +
+           megabytes(fsdp::models::llama_ring_bytes_per_step(config, dims, f.batch, f.seq, f.microbatches,
+                                                             f.checkpoint_activations)) +
+           " per rank per step (K/V forward, K/V/dK/dV backward" +
+           (f.checkpoint_activations ? ", K/V again in the recomputed forward" : "") + ")\n";
   };
   return m;
 }
@@ -224,6 +251,14 @@ LanguageModel moe(const Flags& f, int64_t vocab, int64_t vocab_multiple, uint64_
   m.save = [config](fsdp::parallel::ParallelModel& model, const std::string& dir) {
     fsdp::models::export_moe_hf(model, config, dir);
   };
+  m.plan = [config](const Flags& f, const fsdp::parallel::ParallelDims& dims) {
+    if (dims.ep == 1) return std::string();
+    return "plan: expert parallel: " + std::to_string(config.num_experts() / dims.ep) +
+           " experts per ep rank; the all-to-alls move " +
+           megabytes(fsdp::models::moe_all_to_all_bytes_per_step(config, dims, f.batch, f.seq, f.microbatches)) +
+           " per rank per step with balanced routing (dispatch and combine, forward and backward; the measured "
+           "figure follows the routing)\n";
+  };
   if (config.has_score_correction_bias() && config.router_bias_update_rate() > 0) {
     m.after_step = [](fsdp::parallel::ParallelModel& model) { fsdp::models::update_moe_router_bias(model); };
     m.reference_after_step = [](fsdp::parallel::UnshardedReference& reference) {
@@ -249,7 +284,8 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
               ": tokens of another tokenizer would index past the embedding");
   const fsdp::parallel::ModelSpec& spec = lm.spec;
   const auto options = fsdp::parallel::ParallelOptions()
-                           .dims({.dp_replicate = f.dp_replicate, .dp_shard = f.dp, .tp = f.tp, .pp = f.pp})
+                           .dims({.dp_replicate = f.dp_replicate, .dp_shard = f.dp, .tp = f.tp, .pp = f.pp,
+                                  .cp = f.cp, .ep = f.ep})
                            .schedule(fsdp::pipeline::parse_schedule(f.schedule))
                            .n_microbatches(f.microbatches)
                            .checkpoint_activations(f.checkpoint_activations)
@@ -267,29 +303,67 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
                 "MFU: %.3g GFLOP per token (6N + attention) against a stated peak of %.3g TFLOP/s per rank\n\n",
                 lm.description.c_str(), f.hf_init.empty() ? "" : (", from " + f.hf_init).c_str(), f.data.c_str(),
                 file->num_tokens(), f.batch, f.seq, mesh.data_world(), flops_per_token / 1e9, f.peak_tflops);
+    if (lm.plan) std::printf("%s", lm.plan(f, mesh.dims()).c_str());
     std::fflush(stdout);
   }
   // The optimizer and the data: by data rank, never by world rank.
   torch::optim::AdamW optim(model.parameters(), torch::optim::AdamWOptions(f.lr).weight_decay(0.1));
   auto data = dataset(file, f, mesh.data_rank(), mesh.data_world());
   std::vector<double> losses;
+  // What the cp ring and the ep all-to-alls move, measured (their groups carry nothing else), and
+  // the CPU allocator's peak above what was held before each step's forward (activations,
+  // unsharded units, gradients), counted by tools/bench's CountingAllocator.
+  auto& alloc = fsdp::bench::CountingAllocator::install();
+  auto moved = [&] {
+    int64_t b = 0;
+    if (mesh.dims().cp > 1) b += mesh.cp()->stats(fsdp::comm::CollectiveKind::kSend).bytes;
+    if (mesh.dims().ep > 1) b += mesh.ep()->stats(fsdp::comm::CollectiveKind::kAllToAllV).bytes;
+    return b;
+  };
+  int64_t step_peak = 0;
+  // The forward/backward peak above the state held before it, the largest over the ranks.
+  auto largest_peak = [&] {
+    at::Tensor peak = at::tensor({static_cast<double>(step_peak)}, at::kDouble);
+    group.comm->all_reduce(peak, c10d::ReduceOp::MAX, "train_lm peak").wait();
+    return peak.item<double>();
+  };
   for (int64_t step = 1; step <= f.steps; ++step) {
     const auto b = data.next_batch(f.batch);
+    const int64_t moved_before = moved();
+    alloc.mark();
     const auto t0 = Clock::now();
     const at::Tensor loss = model.forward_backward(b.inputs, b.targets);
+    step_peak = std::max(step_peak, alloc.peak_since_mark());
     const double norm = f.clip > 0 ? model.clip_grad_norm_(f.clip) : 0.0;
     optim.step();
     if (lm.after_step) lm.after_step(model);
     model.zero_grad();
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (step == 1 && f.activation_budget_mib > 0) {
+      const double mib = largest_peak() / (1 << 20);
+      TORCH_CHECK(mib <= f.activation_budget_mib, "the first step's forward/backward peak above the held state is ",
+                  mib, " MiB on some rank, over the budget of ", f.activation_budget_mib, " MiB per rank (",
+                  f.seq, "-token sequences at cp = ", mesh.dims().cp, "): split the sequences over more ranks "
+                  "with --cp");
+      if (main_rank) std::printf("activation budget: %.2f of %.2f MiB per rank\n", mib, f.activation_budget_mib);
+    }
     losses.push_back(model.global_loss(loss));
     if (main_rank && (step == 1 || step % 5 == 0 || step == f.steps)) {
       const double tokens_per_s = static_cast<double>(f.batch * f.seq * mesh.data_world()) / seconds;
       const double mfu = flops_per_token * tokens_per_s / (world * f.peak_tflops * 1e12);
-      std::printf("step %3" PRId64 "  loss %.4f  grad norm %.4f  %.0f tokens/s (%.0f per rank)  MFU %.1f%%\n", step,
+      std::printf("step %3" PRId64 "  loss %.4f  grad norm %.4f  %.0f tokens/s (%.0f per rank)  MFU %.1f%%", step,
                   losses.back(), norm, tokens_per_s, tokens_per_s / world, 100.0 * mfu);
+      if (mesh.dims().cp > 1 || mesh.dims().ep > 1) {
+        std::printf("  %s %.2f MB", mesh.dims().cp > 1 ? "ring" : "all-to-all", (moved() - moved_before) / 1e6);
+      }
+      std::printf("\n");
       std::fflush(stdout);
     }
+  }
+  const double peak = largest_peak();  // collective: every rank
+  if (main_rank) {
+    std::printf("forward/backward peak above the held state: %.2f MiB per rank (largest rank; the "
+                "allocator's count)\n", peak / (1 << 20));
   }
   if (!f.export_hf.empty()) {
     lm.save(model, f.export_hf);

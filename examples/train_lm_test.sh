@@ -41,6 +41,23 @@ step "MoE from scratch at (pp, dp) = (2, 2): sigmoid scores, bias updates, a sha
   --export-hf "$work/moe"
 step "MoE from its export at (dp, tp) = (2, 2)" run 4 "$main" --model moe --data "$tokens" --steps 4 --dp 2 --tp 2 \
   --scoring sigmoid --shared-experts 1 --hf-init "$work/moe"
+# Expert parallel: the measured all-to-all bytes are printed per step; the export is one file per
+# ep rank's writer, and loads again at another ep.
+step "MoE at (dp, ep) = (4, 2), exported" run 4 "$main" --model moe --data "$tokens" --steps 4 --ep 2 \
+  --export-hf "$work/moe_ep"
+step "MoE from the ep=2 export at (dp, tp, ep) = (2, 2, 2)" run 4 "$main" --model moe --data "$tokens" --steps 3 \
+  --dp 2 --tp 2 --ep 2 --hf-init "$work/moe_ep"
+# Context parallel: a context over the activation budget of one rank at cp=1 fits at cp=2.
+budget() {
+  local log="$work/budget.log"
+  if mpi 1 "$main" --data "$tokens" --steps 1 --seq 1024 --batch 1 --microbatches 1 --check-unsharded 0 \
+      --activation-budget-mib 20 > "$log" 2>&1; then echo "cp=1 fitted the budget"; return 1; fi
+  grep -o "the first step's forward/backward peak.*" "$log" | head -1
+  run 2 "$main" --data "$tokens" --steps 3 --seq 1024 --batch 2 --microbatches 2 --cp 2 --activation-budget-mib 20 &&
+    grep -E "^(plan|activation budget)" "$work/run.log"
+}
+step "Llama with 1024-token sequences: over a 20 MiB activation budget at cp=1, within it at cp=2 (matching the unsharded run)" budget
+step "Llama at (cp, tp) = (2, 2)" run 4 "$main" --data "$tokens" --steps 3 --cp 2 --tp 2
 vocab_refused() {
   local log="$work/vocab.log"
   mkdir -p "$work/small" && cp "$work/hf/model.safetensors" "$work/small/"
