@@ -856,6 +856,7 @@ fsdp_cpp_cc_binary(//examples:train_lm
     //models:moe_parallel
     //parallel:parallel_model
     //parallel:reference
+    //tools/bench:counting_allocator
     @libtorch//:torch_cpu)
 fsdp_cpp_cc_binary(//examples:llama_finetune
   PACKAGE examples
@@ -1150,6 +1151,7 @@ fsdp_cpp_cc_library(//models:llama_parallel
     llama_parallel.h
   DEPS
     //comm:communicator
+    //composable:context_parallel
     //composable:tensor_parallel
     //composable:tp_collectives
     //composable:wrap_policy
