@@ -71,7 +71,7 @@ using fsdp::examples::GPTConfig;
 
 constexpr double kParityTolerance = 1e-3;  // relative, on the final loss
 // With --quantize-weights or --quantize-grads: the final loss within 2% (relative) of the
-// full-precision unsharded reference (README "Quantized communication": the 300-step curves).
+// full-precision unsharded reference (docs/quantized_communication.md; the 300-step curves in tools/bench/README.md).
 constexpr double kQuantizedTolerance = 2e-2;
 constexpr double kWeightDecay = 0.01;
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The composition-root example (tools/example.sh --dp/--tp/--pp) on 1-4 ranks: the layouts of the
-# README's composition section with dropout 0.1 and clipping on (the defaults); every step's loss
+# docs/composition.md with dropout 0.1 and clipping on (the defaults); every step's loss
 # must match the same training unsharded on one process with the same seeds (train_gpt_parallel
 # checks it itself and exits 1 otherwise). Also: layouts it refuses, with their errors.
 set -u

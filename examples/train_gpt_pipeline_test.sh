@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The pipeline example (README "Pipeline parallel") on 1-4 ranks: every schedule, (pp, dp) and
+# The pipeline example (docs/pipeline.md) on 1-4 ranks: every schedule, (pp, dp) and
 # (pp, tp) layouts, interleaved stages, activation checkpointing and per-microbatch reduction;
 # each run's final loss must match the same training unsharded on one process (train_gpt_pipeline
 # checks it itself and exits 1 otherwise). Also: flags it refuses, with their errors.

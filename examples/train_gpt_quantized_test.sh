@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Quantized communication on the example (README "Quantized communication"): 2 ranks, 60 steps
+# Quantized communication on the example (docs/quantized_communication.md): 2 ranks, 60 steps
 # with int8 all-gathers and gradient reductions (--quantize-weights --quantize-grads, blocks of
 # 256, float32 scales); the final loss must stay within the stated tolerance (a relative 2e-2) of
 # the full-precision unsharded reference, which train_gpt checks itself (exit 1 otherwise), and

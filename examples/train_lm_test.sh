@@ -3,7 +3,7 @@
 # as a Hugging Face folder, then started from that folder at (dp, tp) = (2, 2) and (pp, dp) =
 # (2, 2); a Qwen3-MoE the same way; every run's losses match the same training unsharded on one
 # process.
-# README's program (examples/llama_finetune.cc) fine-tunes the export at (dp, tp) = (2, 2).
+# docs/composition.md's program (examples/llama_finetune.cc) fine-tunes the export at (dp, tp) = (2, 2).
 # usage: train_lm_test.sh TRAIN_LM TOKEN_FILE STEPS_SH LLAMA_FINETUNE
 set -u
 main="$1"; tokens="$2"; finetune="$4"
@@ -27,7 +27,7 @@ finetuned() {
   mpi 4 "$finetune" "$work/hf" "$tokens" "$work/tuned" || return 1
   test -s "$work/tuned/config.json" -a -s "$work/tuned/model.safetensors"
 }
-step "README's llama_finetune on the export at (dp, tp) = (2, 2)" finetuned
+step "docs/composition.md's llama_finetune on the export at (dp, tp) = (2, 2)" finetuned
 refused() {
   local log="$work/refused.log"
   printf '{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}' > "$work/hf2/config.json"

@@ -35,7 +35,7 @@
 //   Either way the weights are multiplied by routed_scaling_factor (1 by default). Then, as
 //   transformers' experts loop: every expert e in order 0 .. num_experts - 1 is called, on every
 //   rank, with the rows routed to it (in (top-k position, token) order, possibly none: an empty
-//   batch, so that the expert's fully_shard collectives run on every rank; README "Parameters some
+//   batch, so that the expert's fully_shard collectives run on every rank; docs/fully_shard.md "Parameters some
 //   ranks do not use"), its output multiplied by the rows' weights and added at the rows
 //   (index_add); the shared experts' output is added to the sum.
 //

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's point-to-point example exits 0 on 2 and 3 ranks (it checks what it received).
+# docs/communication.md's point-to-point example exits 0 on 2 and 3 ranks (it checks what it received).
 set -u
 binary="$1"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1

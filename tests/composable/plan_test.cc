@@ -636,7 +636,7 @@ FSDP_RANKS_TEST_CASE("plan refuses a module that is not the root unit, naming it
   CHECK_THAT(fsdp::testing::error_of([&] { fsdp::plan(units.back()); }), Contains("(no error)"));
 }
 
-// The README's example: the GPT of examples/ (4 blocks, d_model 128) with AdamW, printed on rank 0
+// docs/composable_apis.md's example: the GPT of examples/ (4 blocks, d_model 128) with AdamW, printed on rank 0
 // (test.log), and checked against one step like the cases above.
 FSDP_RANKS_TEST_CASE("the example GPT's plan", "[plan][gpt]") {
   auto& alloc = fsdp::bench::CountingAllocator::install();

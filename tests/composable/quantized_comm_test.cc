@@ -462,7 +462,7 @@ FSDP_RANKS_TEST_CASE("training with both codecs stays within 1% of the reference
                      "[quantized_comm][training]") {
   const int W = world_size();
   constexpr int kSteps = 8;
-  // Parity tolerance for this model (documented in the README's "Quantized communication"): the
+  // Parity tolerance for this model (documented in docs/quantized_communication.md): the
   // mean loss over the ranks within 1% of the reference's at every step.
   constexpr double kRelativeTolerance = 0.01;
   auto codec = fsdp::int8_block_codec(kBlock);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's composition example exits 0 on 1-4 ranks ((dp_shard, tp) = (1, 1), (1, 2), (3, 1),
+# docs/composition.md's composition example exits 0 on 1-4 ranks ((dp_shard, tp) = (1, 1), (1, 2), (3, 1),
 # (2, 2)), prints three steps with finite losses and norms, and its layout.
 set -u
 binary="$1"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's pipeline example exits 0 on 1-4 ranks ((pp, dp) = (1, 1), (2, 1), (1, 3), (2, 2)):
+# docs/pipeline.md's example exits 0 on 1-4 ranks ((pp, dp) = (1, 1), (2, 1), (1, 3), (2, 2)):
 # the last stage's loss falls over 10 steps.
 set -u
 binary="$1"
