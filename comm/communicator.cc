@@ -9,6 +9,7 @@
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
+#include "fsdp_cpp/comm/flight_recorder.h"
 #include "fsdp_cpp/comm/issuing_api.h"
 
 namespace fsdp::comm {
@@ -20,6 +21,30 @@ int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.
 // backend's reports name it (e.g. the unit's FQN).
 std::string tag_label(const std::string& tag) {
   return tag.empty() ? std::string() : "collective tagged '" + tag + "'";
+}
+
+std::string error_text(const std::exception& e) {
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+  return c10_error != nullptr ? c10_error->what_without_backtrace() : e.what();
+}
+
+const char* dtype_name(const at::Tensor& t) { return t.defined() ? c10::toString(t.scalar_type()) : ""; }
+
+// The world ranks as the flight recorder stores them: a JSON array, or, when that would not fit in
+// its entry, a string naming the range.
+std::string world_ranks_json(const std::vector<int>& ranks) {
+  std::string list;
+  for (int r : ranks) list += (list.empty() ? "" : ",") + std::to_string(r);
+  if (list.size() + 2 < 90) return "[" + list + "]";
+  bool progression = ranks.size() >= 2;
+  for (size_t i = 2; progression && i < ranks.size(); ++i) {
+    progression = ranks[i] - ranks[i - 1] == ranks[1] - ranks[0];
+  }
+  if (progression) {
+    return "\"range(" + std::to_string(ranks.front()) + ", " +
+           std::to_string(ranks.back() + (ranks[1] - ranks[0])) + ", " + std::to_string(ranks[1] - ranks[0]) + ")\"";
+  }
+  return "\"" + std::to_string(ranks.size()) + " ranks from " + std::to_string(ranks.front()) + "\"";
 }
 
 }  // namespace
@@ -43,12 +68,23 @@ const char* to_string(CollectiveKind kind) {
 
 PendingCollective::PendingCollective(Communicator* comm, c10::intrusive_ptr<c10d::Work> work,
                                      CollectiveKind kind, uint64_t id, int64_t bytes,
-                                     std::string tag)
-    : comm_(comm), work_(std::move(work)), kind_(kind), id_(id), bytes_(bytes), tag_(std::move(tag)) {}
+                                     std::string tag, uint64_t flight_id)
+    : comm_(comm),
+      work_(std::move(work)),
+      kind_(kind),
+      id_(id),
+      bytes_(bytes),
+      tag_(std::move(tag)),
+      flight_id_(flight_id) {}
 
 void PendingCollective::wait() {
   TORCH_CHECK(work_, "fsdp comm: wait() on an empty PendingCollective");
-  work_->wait();
+  try {
+    work_->wait();
+  } catch (const std::exception& e) {
+    flight_recorder::record_failed(flight_id_, error_text(e));
+    throw;
+  }
   if (!waited_) {
     waited_ = true;
     comm_->record_completion(*this);
@@ -62,6 +98,7 @@ Communicator::Communicator(c10::intrusive_ptr<c10d::Backend> backend, at::Device
   TORCH_CHECK(backend_, "fsdp comm: Communicator needs a backend, got null");
   rank_ = backend_->getRank();
   size_ = backend_->getSize();
+  name_ = backend_->getGroupDesc().empty() ? backend_->getBackendName() : backend_->getGroupDesc();
 }
 
 std::optional<std::vector<int>> Communicator::world_ranks() const {
@@ -89,12 +126,63 @@ void Communicator::set_world_ranks(std::vector<int> ranks) {
               "non-negative world ranks, found ", list());
   TORCH_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
               "fsdp comm: Communicator::set_world_ranks: expected distinct world ranks, found ", list());
+  flight_recorder::set_rank(ranks[rank_]);
+  std::string json = world_ranks_json(ranks);
   std::lock_guard<std::mutex> guard(mutex_);
   world_ranks_ = std::move(ranks);
+  world_ranks_json_ = std::move(json);
+}
+
+uint64_t Communicator::flight_issue(const OpInfo& op, const std::string& label) {
+  if (!flight_recorder::enabled()) return 0;
+  const bool p2p = op.kind == CollectiveKind::kSend || op.kind == CollectiveKind::kRecv;
+  const std::string api = IssuingApi::current();
+  flight_recorder::Issue issue;
+  issue.comm_name = name_.c_str();
+  issue.comm_size = size_;
+  issue.comm_rank = rank_;
+  issue.point_to_point = p2p;
+  issue.kind = to_string(op.kind);
+  issue.peer = op.peer;
+  issue.tag = op.tag;
+  issue.label = label.c_str();
+  issue.api = api.c_str();
+  issue.dtype = op.dtype;
+  issue.input_elements = op.input_elements;
+  issue.output_elements = op.output_elements;
+  issue.bytes = op.bytes;
+  // Under the communicator's lock (the recorder's lock is taken inside, never the other way).
+  std::lock_guard<std::mutex> guard(mutex_);
+  if (p2p) {
+    issue.sequence = ++point_to_point_;
+    issue.channel_sequence = ++channels_[{op.kind == CollectiveKind::kSend ? 0 : 1, op.peer, op.tag}];
+  } else {
+    issue.sequence = collectives_ + 1;  // what sequence_number() says once it is issued
+  }
+  if (world_ranks_) issue.world_rank = (*world_ranks_)[rank_];
+  issue.world_ranks = world_ranks_json_.c_str();
+  return flight_recorder::record_issue(issue);
+}
+
+PendingCollective Communicator::issue(const OpInfo& op, std::string&& tag,
+                                      c10::function_ref<c10::intrusive_ptr<c10d::Work>()> start) {
+  const uint64_t flight_id = flight_issue(op, tag);
+  c10::intrusive_ptr<c10d::Work> work;
+  {
+    flight_recorder::IssueScope scope(flight_id);
+    try {
+      work = start();
+    } catch (const std::exception& e) {
+      flight_recorder::record_failed(flight_id, error_text(e));
+      throw;
+    }
+  }
+  return record_issue(std::move(work), op.kind, op.bytes, std::move(tag), flight_id);
 }
 
 PendingCollective Communicator::record_issue(c10::intrusive_ptr<c10d::Work> work,
-                                             CollectiveKind kind, int64_t bytes, std::string tag) {
+                                             CollectiveKind kind, int64_t bytes, std::string tag,
+                                             uint64_t flight_id) {
   std::lock_guard<std::mutex> guard(mutex_);
   auto& s = stats_[static_cast<int>(kind)];
   s.calls += 1;
@@ -102,10 +190,11 @@ PendingCollective Communicator::record_issue(c10::intrusive_ptr<c10d::Work> work
   const uint64_t id = ++next_id_;
   if (kind != CollectiveKind::kSend && kind != CollectiveKind::kRecv) ++collectives_;
   if (trace_enabled_) trace_.push_back({TraceEvent::Phase::kIssued, kind, id, bytes, tag});
-  return PendingCollective(this, std::move(work), kind, id, bytes, std::move(tag));
+  return PendingCollective(this, std::move(work), kind, id, bytes, std::move(tag), flight_id);
 }
 
 void Communicator::record_completion(const PendingCollective& pending) {
+  flight_recorder::record_completed(pending.flight_id_);
   std::lock_guard<std::mutex> guard(mutex_);
   if (trace_enabled_) {
     trace_.push_back({TraceEvent::Phase::kCompleted, pending.kind_, pending.id_, pending.bytes_,
@@ -115,53 +204,68 @@ void Communicator::record_completion(const PendingCollective& pending) {
 
 PendingCollective Communicator::all_gather_into_tensor(at::Tensor output, at::Tensor input,
                                                        std::string tag) {
-  IssuingApi api(tag_label(tag), tag);
-  auto work = backend_->_allgather_base(output, input);
-  return record_issue(std::move(work), CollectiveKind::kAllGather, nbytes(output), std::move(tag));
+  const OpInfo op{CollectiveKind::kAllGather, nbytes(output), dtype_name(input), input.numel(), output.numel()};
+  return issue(op, std::move(tag), [&] {
+    IssuingApi api(tag_label(tag), tag);
+    return backend_->_allgather_base(output, input);
+  });
 }
 
 PendingCollective Communicator::reduce_scatter_tensor(at::Tensor output, at::Tensor input,
                                                       c10d::ReduceOp op, std::string tag) {
-  IssuingApi api(tag_label(tag), tag);
-  c10d::ReduceScatterOptions opts;
-  opts.reduceOp = op;
-  auto work = backend_->_reduce_scatter_base(output, input, opts);
-  return record_issue(std::move(work), CollectiveKind::kReduceScatter, nbytes(input), std::move(tag));
+  const OpInfo info{CollectiveKind::kReduceScatter, nbytes(input), dtype_name(input), input.numel(),
+                    output.numel()};
+  return issue(info, std::move(tag), [&] {
+    IssuingApi api(tag_label(tag), tag);
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = op;
+    return backend_->_reduce_scatter_base(output, input, opts);
+  });
 }
 
 PendingCollective Communicator::all_reduce(at::Tensor tensor, c10d::ReduceOp op, std::string tag) {
-  IssuingApi api(tag_label(tag), tag);
-  std::vector<at::Tensor> tensors{tensor};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = op;
-  auto work = backend_->allreduce(tensors, opts);
-  return record_issue(std::move(work), CollectiveKind::kAllReduce, nbytes(tensor), std::move(tag));
+  const OpInfo info{CollectiveKind::kAllReduce, nbytes(tensor), dtype_name(tensor), tensor.numel(),
+                    tensor.numel()};
+  return issue(info, std::move(tag), [&] {
+    IssuingApi api(tag_label(tag), tag);
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = op;
+    return backend_->allreduce(tensors, opts);
+  });
 }
 
 PendingCollective Communicator::broadcast(at::Tensor tensor, int root, std::string tag) {
-  IssuingApi api(tag_label(tag), tag);
-  std::vector<at::Tensor> tensors{tensor};
-  c10d::BroadcastOptions opts;
-  opts.rootRank = root;
-  auto work = backend_->broadcast(tensors, opts);
-  return record_issue(std::move(work), CollectiveKind::kBroadcast, nbytes(tensor), std::move(tag));
+  const OpInfo op{CollectiveKind::kBroadcast, nbytes(tensor), dtype_name(tensor), tensor.numel(),
+                  tensor.numel()};
+  return issue(op, std::move(tag), [&] {
+    IssuingApi api(tag_label(tag), tag);
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = root;
+    return backend_->broadcast(tensors, opts);
+  });
 }
 
 PendingCollective Communicator::all_gather(std::vector<at::Tensor> outputs, at::Tensor input,
                                            std::string tag) {
-  IssuingApi api(tag_label(tag), tag);
-  std::vector<std::vector<at::Tensor>> outs{std::move(outputs)};
-  std::vector<at::Tensor> ins{input};
-  auto work = backend_->allgather(outs, ins);
-  return record_issue(std::move(work), CollectiveKind::kAllGatherList, nbytes(input) * size_,
-                      std::move(tag));
+  const OpInfo op{CollectiveKind::kAllGatherList, nbytes(input) * size_, dtype_name(input), input.numel(),
+                  input.numel() * size_};
+  return issue(op, std::move(tag), [&] {
+    IssuingApi api(tag_label(tag), tag);
+    std::vector<std::vector<at::Tensor>> outs{std::move(outputs)};
+    std::vector<at::Tensor> ins{input};
+    return backend_->allgather(outs, ins);
+  });
 }
 
 PendingCollective Communicator::all_to_all_single(at::Tensor output, at::Tensor input, std::string tag) {
-  IssuingApi api(tag_label(tag), tag);
-  std::vector<int64_t> equal_splits;  // empty: W equal chunks
-  auto work = backend_->alltoall_base(output, input, equal_splits, equal_splits);
-  return record_issue(std::move(work), CollectiveKind::kAllToAll, nbytes(input), std::move(tag));
+  const OpInfo op{CollectiveKind::kAllToAll, nbytes(input), dtype_name(input), input.numel(), output.numel()};
+  return issue(op, std::move(tag), [&] {
+    IssuingApi api(tag_label(tag), tag);
+    std::vector<int64_t> equal_splits;  // empty: W equal chunks
+    return backend_->alltoall_base(output, input, equal_splits, equal_splits);
+  });
 }
 
 PendingCollective Communicator::all_to_all(at::Tensor output, at::Tensor input, std::vector<int64_t> output_splits,
@@ -182,9 +286,11 @@ PendingCollective Communicator::all_to_all(at::Tensor output, at::Tensor input, 
   TORCH_CHECK(input.sizes().slice(1) == output.sizes().slice(1) && input.scalar_type() == output.scalar_type(),
               "fsdp comm all_to_all: the input's rows (", input.sizes().slice(1), ", ", input.scalar_type(),
               ") and the output's (", output.sizes().slice(1), ", ", output.scalar_type(), ") differ");
-  IssuingApi api(tag_label(tag), tag);
-  auto work = backend_->alltoall_base(output, input, output_splits, input_splits);
-  return record_issue(std::move(work), CollectiveKind::kAllToAllV, nbytes(input), std::move(tag));
+  const OpInfo op{CollectiveKind::kAllToAllV, nbytes(input), dtype_name(input), input.numel(), output.numel()};
+  return issue(op, std::move(tag), [&] {
+    IssuingApi api(tag_label(tag), tag);
+    return backend_->alltoall_base(output, input, output_splits, input_splits);
+  });
 }
 
 std::vector<int64_t> Communicator::exchange_splits(const std::vector<int64_t>& input_splits, std::string tag) {
@@ -200,6 +306,20 @@ std::vector<int64_t> Communicator::exchange_splits(const std::vector<int64_t>& i
 
 std::vector<std::vector<uint8_t>> Communicator::all_gather_bytes(const std::vector<uint8_t>& local,
                                                                  std::string tag) {
+  // Recorded once, before the sizes' exchange, with this rank's size (the ranks' sizes may differ).
+  const OpInfo op{CollectiveKind::kAllGatherBytes, static_cast<int64_t>(local.size()), "Byte",
+                  static_cast<int64_t>(local.size()), -1};
+  const uint64_t flight_id = flight_issue(op, tag);
+  try {
+    return all_gather_bytes_recorded(local, std::move(tag), flight_id);
+  } catch (const std::exception& e) {
+    flight_recorder::record_failed(flight_id, error_text(e));
+    throw;
+  }
+}
+
+std::vector<std::vector<uint8_t>> Communicator::all_gather_bytes_recorded(const std::vector<uint8_t>& local,
+                                                                          std::string tag, uint64_t flight_id) {
   IssuingApi api(tag_label(tag), tag);
   // Two even-sized all-gathers (the backends' fast path): the sizes, then the buffers padded to the
   // largest. Counted once, as the padded payload.
@@ -216,8 +336,13 @@ std::vector<std::vector<uint8_t>> Communicator::all_gather_bytes(const std::vect
   if (!local.empty()) std::memcpy(padded.data_ptr(), local.data(), local.size());
   padded = padded.to(device_);
   at::Tensor gathered = at::empty({max_size * size_}, at::TensorOptions().dtype(at::kByte).device(device_));
-  auto pending = record_issue(backend_->_allgather_base(gathered, padded),
-                              CollectiveKind::kAllGatherBytes, gathered.numel(), std::move(tag));
+  c10::intrusive_ptr<c10d::Work> work;
+  {
+    flight_recorder::IssueScope scope(flight_id);
+    work = backend_->_allgather_base(gathered, padded);
+  }
+  auto pending = record_issue(std::move(work), CollectiveKind::kAllGatherBytes, gathered.numel(), std::move(tag),
+                              flight_id);
   pending.wait();
   const at::Tensor gathered_cpu = gathered.cpu();
   const uint8_t* data = gathered_cpu.data_ptr<uint8_t>();
@@ -229,7 +354,7 @@ std::vector<std::vector<uint8_t>> Communicator::all_gather_bytes(const std::vect
 }
 
 void Communicator::barrier() {
-  record_issue(backend_->barrier(), CollectiveKind::kBarrier, 0, {}).wait();
+  issue(OpInfo{CollectiveKind::kBarrier, 0, "", 0, 0}, {}, [&] { return backend_->barrier(); }).wait();
 }
 
 uint64_t Communicator::sequence_number() const {
@@ -250,18 +375,22 @@ void Communicator::check_peer(int peer, int tag, const char* op) const {
 
 PendingCollective Communicator::send(at::Tensor tensor, int dst, int tag, std::string label) {
   check_peer(dst, tag, "send");
-  IssuingApi api(label.empty() ? std::string() : "send labelled '" + label + "'");
-  std::vector<at::Tensor> tensors{tensor};
-  auto work = backend_->send(tensors, dst, tag);
-  return record_issue(std::move(work), CollectiveKind::kSend, nbytes(tensor), std::move(label));
+  const OpInfo op{CollectiveKind::kSend, nbytes(tensor), dtype_name(tensor), tensor.numel(), -1, dst, tag};
+  return issue(op, std::move(label), [&] {
+    IssuingApi api(label.empty() ? std::string() : "send labelled '" + label + "'");
+    std::vector<at::Tensor> tensors{tensor};
+    return backend_->send(tensors, dst, tag);
+  });
 }
 
 PendingCollective Communicator::recv(at::Tensor tensor, int src, int tag, std::string label) {
   check_peer(src, tag, "recv");
-  IssuingApi api(label.empty() ? std::string() : "recv labelled '" + label + "'");
-  std::vector<at::Tensor> tensors{tensor};
-  auto work = backend_->recv(tensors, src, tag);
-  return record_issue(std::move(work), CollectiveKind::kRecv, nbytes(tensor), std::move(label));
+  const OpInfo op{CollectiveKind::kRecv, nbytes(tensor), dtype_name(tensor), -1, tensor.numel(), src, tag};
+  return issue(op, std::move(label), [&] {
+    IssuingApi api(label.empty() ? std::string() : "recv labelled '" + label + "'");
+    std::vector<at::Tensor> tensors{tensor};
+    return backend_->recv(tensors, src, tag);
+  });
 }
 
 bool Communicator::supports_failure_messages() const {
@@ -282,18 +411,22 @@ PointToPointFailures& failures_of(const c10::intrusive_ptr<c10d::Backend>& backe
 PendingCollective Communicator::send_failure(const std::string& failure, int dst, int tag, std::string label) {
   check_peer(dst, tag, "send");
   auto& failures = failures_of(backend_, "send_failure");
-  IssuingApi api(label.empty() ? std::string() : "failure in place of the send labelled '" + label + "'");
-  auto work = failures.send_failure(failure, dst, tag);
-  return record_issue(std::move(work), CollectiveKind::kSend, static_cast<int64_t>(failure.size()),
-                      std::move(label));
+  const OpInfo op{CollectiveKind::kSend, static_cast<int64_t>(failure.size()), "failure",
+                  static_cast<int64_t>(failure.size()), -1, dst, tag};
+  return issue(op, std::move(label), [&] {
+    IssuingApi api(label.empty() ? std::string() : "failure in place of the send labelled '" + label + "'");
+    return failures.send_failure(failure, dst, tag);
+  });
 }
 
 PendingCollective Communicator::recv_discard(int src, int tag, std::string label) {
   check_peer(src, tag, "recv");
   auto& failures = failures_of(backend_, "recv_discard");
-  IssuingApi api(label.empty() ? std::string() : "discarding recv labelled '" + label + "'");
-  auto work = failures.recv_discard(src, tag);
-  return record_issue(std::move(work), CollectiveKind::kRecv, 0, std::move(label));
+  const OpInfo op{CollectiveKind::kRecv, 0, "any (discarded)", -1, -1, src, tag};
+  return issue(op, std::move(label), [&] {
+    IssuingApi api(label.empty() ? std::string() : "discarding recv labelled '" + label + "'");
+    return failures.recv_discard(src, tag);
+  });
 }
 
 CollectiveStats Communicator::stats(CollectiveKind kind) const {

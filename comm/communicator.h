@@ -8,14 +8,21 @@
 // the input of a reduce-scatter or all-to-all, the tensor of an all-reduce or broadcast. The bytes a
 // rank actually sends for an all-gather, reduce-scatter or all-to-all are that times (W-1)/W.
 // Point-to-point sends and recvs count their tensor's bytes.
+//
+// Every operation is also recorded in the process's flight recorder (comm/flight_recorder.h,
+// [Note: flight recorder]): the communicator's name, size, rank and world ranks, the sequence
+// number, kind, tag, dtype, element counts, issuing API, state and times, dumped when a job hangs
+// or fails.
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include <c10/util/FunctionRef.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "fsdp_cpp/comm/point_to_point_failure.h"
@@ -68,13 +75,14 @@ class PendingCollective {
  private:
   friend class Communicator;
   PendingCollective(Communicator* comm, c10::intrusive_ptr<c10d::Work> work, CollectiveKind kind,
-                    uint64_t id, int64_t bytes, std::string tag);
+                    uint64_t id, int64_t bytes, std::string tag, uint64_t flight_id);
   Communicator* comm_ = nullptr;
   c10::intrusive_ptr<c10d::Work> work_;
   CollectiveKind kind_ = CollectiveKind::kBarrier;
   uint64_t id_ = 0;
   int64_t bytes_ = 0;
   std::string tag_;
+  uint64_t flight_id_ = 0;  // the flight recorder's entry (0: not recorded)
   bool waited_ = false;
 };
 
@@ -91,6 +99,9 @@ class Communicator {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  /// The group's name in flight recorder dumps and reports: its backend's group description (the
+  /// MPI backend's name, e.g. "world" or "world/dp group 0"), else the backend's name ("nccl").
+  const std::string& name() const { return name_; }
   at::Device device() const { return device_; }
   const c10::intrusive_ptr<c10d::Backend>& backend() const { return backend_; }
 
@@ -202,8 +213,29 @@ class Communicator {
 
  private:
   friend class PendingCollective;
+  // What the flight recorder records of an operation besides the communicator's own fields.
+  struct OpInfo {
+    CollectiveKind kind;
+    int64_t bytes;
+    const char* dtype;
+    int64_t input_elements;
+    int64_t output_elements;
+    int peer = -1;  // point-to-point only
+    int tag = -1;
+  };
+  // Records `op` in the flight recorder (before the backend sees it), runs `start` (the backend's
+  // call) with the entry as flight_recorder::IssueScope, then record_issue. An exception of
+  // `start` marks the entry failed and propagates. `tag` is moved from only after `start` ran (which
+  // may read it).
+  PendingCollective issue(const OpInfo& op, std::string&& tag,
+                          c10::function_ref<c10::intrusive_ptr<c10d::Work>()> start);
+  // all_gather_bytes once its flight recorder entry `flight_id` was made.
+  std::vector<std::vector<uint8_t>> all_gather_bytes_recorded(const std::vector<uint8_t>& local, std::string tag,
+                                                              uint64_t flight_id);
+  // The flight recorder's entry for `op` (0 when the recorder is off).
+  uint64_t flight_issue(const OpInfo& op, const std::string& label);
   PendingCollective record_issue(c10::intrusive_ptr<c10d::Work> work, CollectiveKind kind,
-                                 int64_t bytes, std::string tag);
+                                 int64_t bytes, std::string tag, uint64_t flight_id);
   void record_completion(const PendingCollective& pending);
   // Refuses a peer outside the group, or this rank itself, before anything is issued.
   void check_peer(int peer, int tag, const char* op) const;
@@ -212,11 +244,16 @@ class Communicator {
   at::Device device_;
   int rank_;
   int size_;
+  std::string name_;
   mutable std::mutex mutex_;
   std::optional<std::vector<int>> world_ranks_;
+  std::string world_ranks_json_;  // world_ranks_ for the flight recorder ("" unknown)
   std::array<CollectiveStats, kNumCollectiveKinds> stats_{};
   uint64_t next_id_ = 0;       // trace ids: every operation
   uint64_t collectives_ = 0;   // sequence_number(): collectives only
+  uint64_t point_to_point_ = 0;  // the flight recorder's sequence of point-to-point operations
+  // The flight recorder's count per (send 0 / recv 1, peer, tag).
+  std::map<std::array<int, 3>, uint64_t> channels_;
   bool trace_enabled_ = false;
   std::vector<TraceEvent> trace_;
 };

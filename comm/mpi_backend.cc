@@ -241,6 +241,7 @@ MpiBackend::MpiBackend(MPI_Comm comm, int rank, int size, Options options)
       comm_(comm),
       options_(std::move(options)),
       wait_drives_progress_(options_.wait_drives_progress) {
+  setGroupDesc(options_.name);  // the Communicator's name() (flight recorder dumps)
   // Collective over the group, like the construction itself (create_world, split).
   std::lock_guard<std::mutex> guard(mpi::mpi_lock());
   for (MPI_Comm* extra : {&check_comm_, &split_comm_, &envelope_comm_, &payload_comm_, &ack_comm_}) {

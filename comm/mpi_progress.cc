@@ -12,6 +12,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "fsdp_cpp/comm/flight_recorder.h"
 #include "fsdp_cpp/comm/mpi_runtime.h"
 
 namespace fsdp::comm::mpi {
@@ -50,6 +51,25 @@ struct Completed {
   std::exception_ptr error;     // set when issuing or the size check failed
 };
 
+// The text of a failure, for the flight recorder.
+std::string error_text(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+// Dumps the flight recorder, then aborts the job with `report`.
+[[noreturn]] void dump_and_abort(const std::string& report) {
+  flight_recorder::dump(report);
+  abort_job(report);
+}
+
 // How deep this thread is inside completion callbacks (finish): a wait() there may be on the only
 // thread that polls, so it drives progress itself.
 thread_local int t_finishing_depth = 0;
@@ -80,6 +100,7 @@ class ProgressEngine {
     auto entry = std::make_shared<Submitted>();
     entry->requests.fill(MPI_REQUEST_NULL);
     entry->op = std::move(op);
+    if (entry->op.flight_id == 0) entry->op.flight_id = flight_recorder::IssueScope::current();
     entry->wait_drives_progress = wait_drives_progress;
     entry->submitted_at = Clock::now();
     entry->deadline = entry->submitted_at + entry->op.timeout;
@@ -339,6 +360,7 @@ class ProgressEngine {
         TORCH_CHECK(rc == MPI_SUCCESS, "MPI backend ", entry->op.description,
                     ": issuing it failed: ", error_string(rc));
         entry->stage = Stage::kRunning;
+        flight_recorder::record_started(entry->op.flight_id);
       } catch (...) {
         error = std::current_exception();
       }
@@ -375,7 +397,7 @@ class ProgressEngine {
         const int rc = MPI_Testall(kMaxRequestsPerStage, entry->requests.data(), &flag,
                                    MPI_STATUSES_IGNORE);
         if (rc != MPI_SUCCESS) {
-          abort_job("collective " + entry->op.description + " failed in MPI: " + error_string(rc));
+          dump_and_abort("collective " + entry->op.description + " failed in MPI: " + error_string(rc));
         }
         if (!flag) continue;
         if (entry->stage == Stage::kRunning) {
@@ -440,6 +462,12 @@ class ProgressEngine {
       std::lock_guard<std::mutex> guard(mutex_);
       finishing_.push_back({std::this_thread::get_id(), entry, Clock::now()});
     }
+    // Recorded before the caller can learn it finished.
+    if (error) {
+      flight_recorder::record_failed(entry->op.flight_id, error_text(error));
+    } else {
+      flight_recorder::record_completed(entry->op.flight_id);
+    }
     ++t_finishing_depth;
     try {
       finish(error);
@@ -466,7 +494,7 @@ class ProgressEngine {
       const auto now = Clock::now();
       Clock::time_point earliest = Clock::time_point::max();
       auto consider = [&](const Entry& e) {
-        if (e->deadline <= now) abort_job(timeout_report_locked(*e, now));
+        if (e->deadline <= now) dump_and_abort(timeout_report_locked(*e, now));
         earliest = std::min(earliest, e->deadline);
       };
       for (const auto& e : queue_) consider(e);

@@ -45,6 +45,8 @@
 //  - Deadlines are enforced by a watchdog thread of their own, from submission to completion, so a
 //    collective that does not complete in time aborts the job with a report even when nobody polls
 //    (e.g. a completion callback blocked the progress thread in something other than `wait()`).
+//    Before aborting, the watchdog dumps the flight recorder ([Note: flight recorder]) with the
+//    report as the reason.
 // Every MPI call runs under mpi_lock() (comm/mpi_runtime.h), whichever thread makes it, so
 // MPI_THREAD_SERIALIZED is enough; only one thread drives at a time.
 
@@ -96,6 +98,11 @@ struct PendingCollective {
   std::string waiting_first_stage;
   std::string waiting_running;
   std::string timeout_advice;
+  /// The flight recorder's entry of this operation (comm/flight_recorder.h): submit() takes it from
+  /// flight_recorder::IssueScope::current() when 0. The engine records "started" when `start`
+  /// issued it (its size check passed on every rank, or a recv's envelope arrived), and its
+  /// completion or failure.
+  uint64_t flight_id = 0;
 };
 
 /// A submitted collective, to pass to `wait()`. Opaque.
