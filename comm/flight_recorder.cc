@@ -36,6 +36,7 @@ struct Slot {
   uint64_t id;  // 0: empty
   uint64_t sequence;
   uint64_t channel_sequence;
+  uint64_t backend_sequence;
   int64_t issued_ns;
   int64_t started_ns;
   int64_t finished_ns;
@@ -290,6 +291,8 @@ void write_entry(Writer& w, const Slot& s) {
   if (s.world_ranks[0] != '\0') w.raw(s.world_ranks); else w.raw("null");
   w.raw(",\"op\":"); w.str(s.point_to_point ? "p2p" : "collective");
   w.raw(",\"seq\":"); w.u64(s.sequence);
+  w.raw(",\"backend_seq\":");
+  if (s.backend_sequence != 0) w.u64(s.backend_sequence); else w.raw("null");
   w.raw(",\"kind\":"); w.str(s.kind);
   if (s.point_to_point) {
     w.raw(",\"peer\":"); w.i64(s.peer);
@@ -493,6 +496,7 @@ uint64_t record_issue(const Issue& issue) {
   s.id = id;
   s.sequence = issue.sequence;
   s.channel_sequence = issue.channel_sequence;
+  s.backend_sequence = 0;
   s.issued_ns = now;
   s.started_ns = 0;
   s.finished_ns = 0;
@@ -550,6 +554,14 @@ void record_failed(uint64_t id, const std::string& error) {
   copy(s->error, kErrorLen, error.c_str());
 }
 
+void record_backend_sequence(uint64_t id, uint64_t sequence) {
+  if (id == 0) return;
+  Recorder& r = recorder();
+  Lock lock(r);
+  Slot* s = slot_locked(r, id);
+  if (s != nullptr) s->backend_sequence = sequence;
+}
+
 std::vector<Entry> entries() {
   Recorder& r = recorder();
   std::vector<Entry> out;
@@ -573,6 +585,7 @@ std::vector<Entry> entries() {
     e.peer = s.peer;
     e.tag = s.tag;
     e.channel_sequence = s.channel_sequence;
+    e.backend_sequence = s.backend_sequence;
     e.label = s.label;
     e.api = s.api;
     e.dtype = s.dtype;

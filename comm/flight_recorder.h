@@ -78,6 +78,7 @@ struct Entry {
   int peer = -1;
   int tag = -1;
   uint64_t channel_sequence = 0;
+  uint64_t backend_sequence = 0;  // 0: not known
   std::string label;
   std::string api;
   std::string dtype;
@@ -105,6 +106,9 @@ uint64_t record_issue(const Issue& issue);
 void record_started(uint64_t id);
 void record_completed(uint64_t id);
 void record_failed(uint64_t id, const std::string& error);
+/// The backend's own number of entry `id` (the MPI backend's "#N" in its error and timeout reports,
+/// which also counts collectives the Communicator does not, e.g. all_gather_bytes' size exchange).
+void record_backend_sequence(uint64_t id, uint64_t sequence);
 
 /// The entries kept, oldest first.
 std::vector<Entry> entries();
@@ -124,7 +128,10 @@ std::string dump_path();
 /// communicator that knows its world ranks; the launcher's variables are the fallback).
 void set_rank(int world_rank);
 
-/// Tests: clears the ring and gives it `entries` entries (0: off), dumping to `dir` when not empty.
+/// Tests: clears the ring and gives it `entries` entries (0: off), dumping to `dir` when not empty;
+/// forgets the rank set_rank() gave; installs the signal handlers again where something replaced
+/// them (Catch2 restores its predecessors' handlers after each test case). Not thread-safe against
+/// operations in flight.
 void reset_for_testing(int entries, const std::string& dir = {});
 
 /// The id of the operation being issued on this thread (the Communicator opens the scope around

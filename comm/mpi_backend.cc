@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <memory>
 
+#include "fsdp_cpp/comm/flight_recorder.h"
 #include "fsdp_cpp/comm/issuing_api.h"
 #include "fsdp_cpp/comm/mpi_progress.h"
 #include "fsdp_cpp/comm/mpi_runtime.h"
@@ -276,6 +277,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::enqueue(c10d::OpType type, const char
                                                    std::vector<at::Tensor> outputs,
                                                    std::vector<at::Tensor> keep_alive) {
   const uint64_t sequence = ++sequence_;
+  flight_recorder::record_backend_sequence(flight_recorder::IssueScope::current(), sequence);
   auto work = c10::make_intrusive<MpiWork>(rank_, type, std::move(outputs));
   if (size_ == 1) {
     // One rank: the collective completes locally, so run it inline instead of handing it to the

@@ -44,6 +44,7 @@
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 
+#include "fsdp_cpp/comm/flight_recorder.h"
 #include "fsdp_cpp/comm/issuing_api.h"
 #include "fsdp_cpp/comm/mpi_backend.h"
 #include "fsdp_cpp/comm/mpi_progress.h"
@@ -144,6 +145,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::send(std::vector<at::Tensor>& tensors
   check_point_to_point(tensors, dstRank, tag, "send");
   at::Tensor t = tensors[0];
   const uint64_t sequence = ++p2p_sequence_;
+  flight_recorder::record_backend_sequence(flight_recorder::IssueScope::current(), sequence);
   const int payload_tag = static_cast<int>(next_payload_tag_++ % (static_cast<uint64_t>(tag_ub_) + 1));
   auto state = std::make_shared<SendState>();
   state->envelope = envelope_of(t, kSent, rank_, payload_tag, tag);
@@ -189,6 +191,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::send_failure(const std::string& failu
   std::vector<at::Tensor> tensors{text};
   check_point_to_point(tensors, dstRank, tag, "send");
   const uint64_t sequence = ++p2p_sequence_;
+  flight_recorder::record_backend_sequence(flight_recorder::IssueScope::current(), sequence);
   const int payload_tag = static_cast<int>(next_payload_tag_++ % (static_cast<uint64_t>(tag_ub_) + 1));
   auto state = std::make_shared<SendState>();
   state->envelope = envelope_of(text, kFailed, rank_, payload_tag, tag);
@@ -244,6 +247,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::receive(std::vector<at::Tensor>& tens
   check_point_to_point(tensors, src, tag, name);
   at::Tensor t = tensors[0];
   const uint64_t sequence = ++p2p_sequence_;
+  flight_recorder::record_backend_sequence(flight_recorder::IssueScope::current(), sequence);
   auto state = std::make_shared<RecvState>();
   state->mine = envelope_of(t, kAccepted, rank_, 0, tag);
   state->discard = std::string(name) == "recv_discard";

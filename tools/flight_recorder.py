@@ -9,7 +9,9 @@ DIR holds the dumps a job wrote (flight_recorder.rank<R>.json, comm/flight_recor
   * which ranks left no dump (killed, stopped, or ended without dumping): they never arrived;
   * per communicator, the ranks' collectives lined up by sequence number: the first sequence
     number at which they differ (kind, tag, dtype or element counts), or at which some ranks issued
-    a collective that others never issued (their last sequence number is lower);
+    a collective that others never issued (their last sequence number is lower); when all issued
+    the same ones, the first collective not completed everywhere if one rank issued it at least
+    1 s after all the others (it arrived last);
   * point-to-point operations that never completed, each matched with its peer's (the k-th send
     from A to B with tag T pairs with B's k-th recv from A with tag T): the peer that never posted
     it, or left no dump;
@@ -25,6 +27,9 @@ import os
 import re
 import sys
 from collections import defaultdict
+
+# A rank that issued a collective this much later than every other rank "arrived last".
+LATE_ARRIVAL_S = 1.0
 
 # Kinds whose element counts legitimately differ across ranks (per-rank sizes).
 VARIABLE_SIZE_KINDS = {"all_gather_bytes", "all_to_all"}
@@ -83,6 +88,8 @@ def describe(entry):
                f"#{entry.get('channel_seq')} on that channel)"
     else:
         head = f"{kind} #{entry.get('seq')}"
+    if entry.get("backend_seq") not in (None, entry.get("seq")):
+        head += f" (the backend's #{entry['backend_seq']})"
     if entry.get("dtype"):
         parts.append(entry["dtype"])
     sizes = []
@@ -139,6 +146,8 @@ def analyse(dumps, world_size):
             key = comm_key(e)
             if isinstance(key[1], tuple):
                 sizes.add(max(key[1]) + 1)
+            if isinstance(key[2], int):
+                sizes.add(key[2])  # no group is larger than the world
             if e.get("op") == "p2p":
                 p2p[key][rank].append(e)
             else:
@@ -152,7 +161,12 @@ def analyse(dumps, world_size):
 
     for key in sorted(collectives, key=lambda k: (k[0], str(k[1]))):
         per_rank = collectives[key]
-        members = list(key[1]) if isinstance(key[1], tuple) else sorted(per_rank, key=str)
+        if isinstance(key[1], tuple):
+            members = list(key[1])
+        elif key[2] == world_size:  # world ranks unknown, but as many ranks as the world
+            members = list(range(world_size))
+        else:
+            members = sorted(per_rank, key=str)
         absent = [m for m in members if m not in dumps]
         present = [m for m in members if m in per_rank]
         silent = [m for m in members if m in dumps and m not in per_rank]  # dumped, nothing on this comm
@@ -189,6 +203,24 @@ def analyse(dumps, world_size):
                                f"{plural(lacking)} never arrived ({behind}); "
                                f"{plural(have)} issued {describe(per_rank[have[0]][seq])}")
                 break
+        if not found:
+            # Every rank issued the same collectives: the first one not completed everywhere, and
+            # whether one rank issued it much later than the others (it arrived last: the others
+            # waited for it, e.g. a rank that was stopped and resumed before it dumped).
+            for seq in range(first, last + 1):
+                have = [r for r in present if seq in per_rank[r]]
+                if len(have) < 2 or all(per_rank[r][seq].get("state") == "completed" for r in have):
+                    continue
+                times = {r: per_rank[r][seq].get("issued_ns", 0) for r in have}
+                latest = max(have, key=lambda r: times[r])
+                others = [r for r in have if r != latest]
+                gap = (times[latest] - max(times[r] for r in others)) / 1e9
+                if gap >= LATE_ARRIVAL_S:
+                    found = True
+                    verdict.append(f"{title}: every rank issued sequence number {seq}, but rank {latest} arrived "
+                                   f"last, {gap:.1f} s after {plural(others)} (which waited for it): "
+                                   f"{describe(per_rank[latest][seq])}")
+                break
         if not found and (absent or silent) and len(members) > 1:
             nobody = absent + silent
             verdict.append(f"{title}: {plural(present)} issued up to sequence number {last} "
@@ -215,7 +247,7 @@ def analyse(dumps, world_size):
                 n = e.get("channel_seq")
                 line = f"{comm_title(key)}: rank {rank}'s {describe(e)}: "
                 if peer not in dumps:
-                    line += f"its peer, rank {peer}, left no dump (it never got to the matching {other})"
+                    line += f"its peer, rank {peer}, left no dump: no matching {other} is known"
                 else:
                     theirs = channels[chan].get(other, {})
                     if n in theirs:

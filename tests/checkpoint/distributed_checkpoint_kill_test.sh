@@ -28,11 +28,24 @@ launch 3 "$main" save "$ckpt" 1 || fail "saving A"
 before=$(cd "$ckpt" && ls -l --time-style=+%s.%N | md5sum)
 
 echo "=== 2. save B, rank 1 killed while writing"
-launch 3 env FSDP_DCP_TEST_KILL_RANK=1 "$main" save "$ckpt" 2 > "$work/killed.log" 2>&1
+# The flight recorder (docs/flight_recorder.md): ranks 0 and 2 dump on the SIGTERM that ends them.
+fr="$work/flight_recorder"
+launch 3 env FSDP_DCP_TEST_KILL_RANK=1 FSDP_FLIGHT_RECORDER_DIR="$fr" "$main" save "$ckpt" 2 > "$work/killed.log" 2>&1
 rc=$?
 cat "$work/killed.log"
 [ $rc -ne 0 ] || fail "the killed launch exited with 0"
 grep -q "rank 1: killed while writing" "$work/killed.log" || fail "rank 1 was not killed while writing"
+# tools/flight_recorder.py (beside this script's source) names the killed rank as the one that
+# never arrived, and the save's collective the others wait in.
+tool="$(dirname "$(readlink -f "$0")")/../../tools/flight_recorder.py"
+[ -f "$tool" ] || fail "no tools/flight_recorder.py at $tool"
+python3 "$tool" "$fr" --world-size 3 > "$work/fr.txt" 2>&1 || fail "tools/flight_recorder.py failed: $(cat "$work/fr.txt")"
+cat "$work/fr.txt"
+for r in 0 2; do [ -f "$fr/flight_recorder.rank$r.json" ] || fail "no flight recorder dump of rank $r"; done
+grep -qF "no dump from rank 1 (killed, stopped, or ended without dumping)" "$work/fr.txt" ||
+  fail "tools/flight_recorder.py does not name rank 1 as the rank without a dump"
+grep -qF "rank 1 left no dump" "$work/fr.txt" || fail "tools/flight_recorder.py does not name rank 1 on the world group"
+grep -qF "issued by fsdp::dcp::save" "$work/fr.txt" || fail "tools/flight_recorder.py does not name fsdp::dcp::save"
 partial=$(find "$work/ckpt" -mindepth 1 -maxdepth 1 -type d ! -name latest)
 [ -n "$partial" ] || fail "no unfinished temporary folder was left (was the save killed midway?)"
 ls -l $partial

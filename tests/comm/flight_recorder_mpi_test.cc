@@ -99,6 +99,12 @@ FSDP_RANKS_TEST_CASE("flight recorder: a communicator's collectives, with their 
   CHECK(e[3].kind == "all_gather_bytes");
   CHECK(e[3].sequence == 4);
   CHECK(e[3].input_elements == 3);
+  if (W > 1) {
+    // The MPI backend's own numbers ("#N" in its reports): the all-gather of the sizes before
+    // all_gather_bytes' payload counts there too.
+    CHECK(e[2].backend_sequence + 2 == e[3].backend_sequence);
+    CHECK(e[1].backend_sequence + 1 == e[2].backend_sequence);
+  }
   for (const auto& entry : e) {
     INFO(entry.kind);
     CHECK(entry.state == fr::State::kCompleted);

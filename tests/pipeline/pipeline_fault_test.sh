@@ -13,9 +13,13 @@ export FSDP_COMM_TIMEOUT_S=3
 work=$(mktemp -d /tmp/fsdppf.XXXXXX)   # short: Open MPI keeps Unix sockets there
 trap 'rm -rf "$work"' EXIT
 export TMPDIR="$work"
+# The flight recorder (docs/flight_recorder.md): each rank that can dumps its last operations there,
+# and tools/flight_recorder.py (beside this script's source) must name the peer that never sent.
+export FSDP_FLIGHT_RECORDER_DIR="$work/flight_recorder"
+tool="$(dirname "$(readlink -f "$0")")/../../tools/flight_recorder.py"
 start=$(date +%s)
 timeout -s KILL 60 mpirun --oversubscribe --bind-to none -np 3 -x OMP_NUM_THREADS -x FSDP_COMM_TIMEOUT_S \
-  "$binary" "$mode" > "$work/out.txt" 2>&1
+  -x FSDP_FLIGHT_RECORDER_DIR "$binary" "$mode" > "$work/out.txt" 2>&1
 rc=$?
 elapsed=$(( $(date +%s) - start ))
 cat "$work/out.txt"
@@ -39,6 +43,24 @@ case "$mode" in
   kill)
     [ $rc -eq 0 ] && problems+=("the job exited 0")
     expect "rank 1: SIGKILL in step 2"
+    # Ranks 0 and 2 dump on the SIGTERM that ends them (or on their timeout); the tool names the
+    # transfers they wait for and their peer, rank 1, which left no dump.
+    if [ -f "$tool" ]; then
+      python3 "$tool" "$FSDP_FLIGHT_RECORDER_DIR" --world-size 3 > "$work/fr.txt" 2>&1
+      echo "--- tools/flight_recorder.py (exit code $?):"
+      cat "$work/fr.txt"
+    else
+      problems+=("no tools/flight_recorder.py at $tool")
+      : > "$work/fr.txt"
+    fi
+    expect_fr() { grep -qF -- "$1" "$work/fr.txt" || problems+=("no '$1' in tools/flight_recorder.py's output"); }
+    for r in 0 2; do
+      [ -f "$FSDP_FLIGHT_RECORDER_DIR/flight_recorder.rank$r.json" ] || problems+=("no flight recorder dump of rank $r")
+    done
+    expect_fr "no dump from rank 1 (killed, stopped, or ended without dumping)"
+    expect_fr "rank 2's recv #"
+    expect_fr "from group rank 1 (tag"
+    expect_fr "its peer, rank 1, left no dump: no matching send is known"
     ;;
 esac
 if [ ${#problems[@]} -gt 0 ]; then
