@@ -69,6 +69,7 @@ struct Recorder {
   char dir[1024] = {};
   char path[1200] = {};
   char tmp_path[1240] = {};
+  char signal_tmp_path[1240] = {};  // a signal handler's, apart from a dump() it may interrupt
   char host[128] = {};
   char rank_name[32] = {};
   char reasons[kReasons][kReasonLen] = {};
@@ -113,7 +114,7 @@ class Lock {
 // In a signal handler: the lock if it frees within a while (the handler may run on the thread that
 // holds it: then the ring is read as it is).
 bool try_lock_for_signal(Recorder& r) {
-  for (int i = 0; i < 2000000; ++i) {
+  for (int i = 0; i < 10000; ++i) {  // a lock is held for well under a microsecond
     if (!r.locked.exchange(true, std::memory_order_acquire)) return true;
     if (i > 64) sched_yield();
   }
@@ -128,6 +129,7 @@ void update_path_locked(Recorder& r) {
   }
   std::snprintf(r.path, sizeof(r.path), "%s/flight_recorder.%s.json", r.dir, r.rank_name);
   std::snprintf(r.tmp_path, sizeof(r.tmp_path), "%s.tmp%d", r.path, static_cast<int>(getpid()));
+  std::snprintf(r.signal_tmp_path, sizeof(r.signal_tmp_path), "%s.signal.tmp%d", r.path, static_cast<int>(getpid()));
 }
 
 void set_dir_locked(Recorder& r, const char* dir) {
@@ -404,7 +406,7 @@ void signal_dump(int sig) {
   const bool locked = try_lock_for_signal(*r);
   const char* reason = signal_name(sig);
   make_dirs(r->dir);
-  const int fd = open(r->tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const int fd = open(r->signal_tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   bool ok = fd >= 0;
   if (ok) {
     Writer w(g_signal_buffer, sizeof(g_signal_buffer), fd, nullptr);
@@ -412,7 +414,7 @@ void signal_dump(int sig) {
     w.flush();
     ok = w.ok();
     close(fd);
-    ok = ok && rename(r->tmp_path, r->path) == 0;
+    ok = ok && rename(r->signal_tmp_path, r->path) == 0;
   }
   remember_reason(*r, reason);
   if (locked) r->locked.store(false, std::memory_order_release);
