@@ -111,6 +111,13 @@ fsdp_cpp_cc_library(//checkpoint:load_pretrained
     @libtorch//:torch_cpu)
 
 # ---- //comm (comm/BUILD.bazel)
+fsdp_cpp_cc_library(//comm:flight_recorder
+  PACKAGE comm
+  NAME flight_recorder
+  SRCS
+    flight_recorder.cc
+  HDRS
+    flight_recorder.h)
 fsdp_cpp_cc_library(//comm:mpi_internal
   PACKAGE comm
   NAME mpi_internal
@@ -123,6 +130,7 @@ fsdp_cpp_cc_library(//comm:mpi_internal
     mpi_runtime.h
     mpi_types.h
   DEPS
+    //comm:flight_recorder
     @libtorch//:c10
     @mpi//:mpi)
 fsdp_cpp_cc_library(//comm:mpi_backend
@@ -135,6 +143,7 @@ fsdp_cpp_cc_library(//comm:mpi_backend
     mpi_backend.h
   DEPS
     //comm:collective_timeout
+    //comm:flight_recorder
     //comm:issuing_api
     //comm:mpi_internal
     //comm:mpi_work
@@ -178,6 +187,7 @@ fsdp_cpp_cc_library(//comm:communicator
   HDRS
     communicator.h
   DEPS
+    //comm:flight_recorder
     //comm:issuing_api
     //comm:point_to_point_failure
     @libtorch//:torch_cpu)
@@ -1106,6 +1116,7 @@ fsdp_cpp_cc_library(//fsdp:divergence
     divergence.h
   DEPS
     //comm:communicator
+    //comm:flight_recorder
     //contract:module_fqn
     //fsdp:flat_param_handle
     @libtorch//:c10)
@@ -1799,6 +1810,38 @@ fsdp_cpp_cc_binary(//tests/comm:own_mpi_finalize_main
     //fsdp:derived_groups
     @libtorch//:torch_cpu
     @mpi//:mpi
+  TESTONLY)
+fsdp_cpp_cc_test(//tests/comm:flight_recorder_test
+  PACKAGE tests/comm
+  NAME flight_recorder_test
+  SRCS
+    flight_recorder_test.cc
+  DEPS
+    //comm:flight_recorder
+    //third_party/json:json)
+fsdp_cpp_mpi_test(//tests/comm:flight_recorder_mpi_test
+  PACKAGE tests/comm
+  NAME flight_recorder_mpi_test
+  SRCS
+    flight_recorder_mpi_test.cc
+  DEPS
+    //comm:communicator
+    //comm:flight_recorder
+    //comm:issuing_api
+    //third_party/json:json
+    @libtorch//:torch_cpu
+  WORLD_SIZES 1,2,3)
+fsdp_cpp_cc_binary(//tests/comm:flight_recorder_fault_main
+  PACKAGE tests/comm
+  NAME flight_recorder_fault_main
+  SRCS
+    flight_recorder_fault_main.cc
+  DEPS
+    //comm:communicator
+    //comm:flight_recorder
+    //comm:issuing_api
+    //comm:mpi_backend
+    @libtorch//:torch_cpu
   TESTONLY)
 
 # ---- //tests/composable (tests/composable/BUILD.bazel)

@@ -1,3 +1,4 @@
+#include "fsdp_cpp/comm/flight_recorder.h"
 #include "fsdp_cpp/fsdp/divergence.h"
 
 #include <algorithm>
@@ -152,6 +153,7 @@ void check_ranks_agree(comm::Communicator& comm, Fingerprint local, int64_t iter
   fingerprints.reserve(all.size());
   for (const auto& bytes : all) fingerprints.push_back(Fingerprint::deserialize(bytes));
   const std::string message = describe_divergence(fingerprints);
+  if (!message.empty()) comm::flight_recorder::dump("fsdp divergence check: " + message);
   TORCH_CHECK(message.empty(), message);
 }
 
