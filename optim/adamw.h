@@ -13,20 +13,32 @@
 //   fsdp::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
 //   loss.backward();
 //   optimizer.step();
+//
+// FlatAdamOptions (optim/adam.h) as the third argument: bfloat16 moments ([Note: bfloat16
+// moments] in optim/adam_family_step.h).
 
 #include <vector>
 
 #include <torch/optim/adamw.h>
 
+#include "fsdp_cpp/optim/adam.h"
 #include "fsdp_cpp/optim/flat_step_stats.h"
 
 namespace fsdp::optim {
 
 class AdamW : public torch::optim::AdamW, public FlatStepping {
  public:
-  using torch::optim::AdamW::AdamW;
+  explicit AdamW(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                 torch::optim::AdamWOptions defaults = {}, FlatAdamOptions flat_options = {});
+  explicit AdamW(std::vector<at::Tensor> params, torch::optim::AdamWOptions defaults = {},
+                 FlatAdamOptions flat_options = {});
 
   torch::Tensor step(LossClosure closure = nullptr) override;
+
+  const FlatAdamOptions& flat_options() const { return flat_options_; }
+
+ private:
+  FlatAdamOptions flat_options_;
 };
 
 }  // namespace fsdp::optim

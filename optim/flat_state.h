@@ -13,8 +13,14 @@
 // copied into it (adopted), after which the members' tensors are views of it again. So state
 // dicts see per-parameter tensors with PyTorch's keys, writes into them (a sharded load copies
 // into the live views) reach the buffer, and replacements are taken over at the next step.
+// The buffer has the parameters' dtype, or the one the optimizer asks for (bfloat16 moments:
+// [Note: bfloat16 moments] in optim/adam_family_step.h); a member's tensor of another dtype (a
+// float32 state loaded into a bfloat16-state optimizer, or the reverse) is not a view of it, so it
+// is adopted, converted by copy_ (float32 -> bfloat16 rounds to nearest, ties to even;
+// bfloat16 -> float32 is exact).
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -27,8 +33,9 @@ namespace fsdp::optim {
 /// parameters): reused when every `slots[i]` (member i's state tensor) is its view, else newly
 /// allocated with zeros, each defined slot's values copied to its member's place (a slot must
 /// have its parameter's numel) and every slot re-pointed at its view. `adopted` counts the new
-/// buffers.
+/// buffers. The buffer's dtype: `dtype`, else the parameters'.
 at::Tensor flat_state(const ParamRun& run, const std::vector<at::Tensor>& params,
-                      const std::vector<at::Tensor*>& slots, int64_t& adopted);
+                      const std::vector<at::Tensor*>& slots, int64_t& adopted,
+                      std::optional<c10::ScalarType> dtype = std::nullopt);
 
 }  // namespace fsdp::optim
