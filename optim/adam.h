@@ -32,6 +32,10 @@
 
 namespace fsdp::optim {
 
+/// With bfloat16 moments, elements per chunk of their float32 working copies during a step: the
+/// step's extra memory is a few times this many float32s, whatever the size of the run.
+inline constexpr int64_t kBFloat16Chunk = int64_t{1} << 16;
+
 /// How float32 moments are rounded to bfloat16 after each update ([Note: bfloat16 moments]).
 enum class StateRounding {
   kStochastic,  // up or down with the probabilities that make the rounding unbiased (default)

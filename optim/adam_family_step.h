@@ -28,13 +28,16 @@
 // exp_avg_sq moves by (1 - beta2) = 1e-3 of (grad^2 - exp_avg_sq) per step with beta2 = 0.999.
 // Any move below half a spacing (relative 2^-9..2^-8, i.e. unless grad^2 differs from exp_avg_sq
 // by a factor of about 3 or more) rounds back to the old value: exp_avg_sq stalls, and it can
-// never decay (0.999 x rounds to x). Measured (tests/optim/flat_optimizers_bf16_test.cc, "exp_avg_sq
-// in bfloat16 stalls with round-to-nearest"): gradients of standard deviation 1 for 1000 steps,
-// then 0.1 for 3000: exp_avg_sq in float32 decays from 0.63 to 0.0149 (the closed form
-// 0.01 + 0.62 * 0.999^3000), with round-to-nearest it stays 0.63 (it never decays), with
-// stochastic rounding 0.0149 (mean over 4096 elements within 1% of float32). Stochastic
-// rounding makes exp_avg_sq noisy instead (per step at most half a spacing, about 2^-9 of the
-// value, averaged away by the 1/(1 - beta2) steps the moment spans); exp_avg (beta1 = 0.9, moves
+// never decay (0.999 x rounds to x). Measured (tests/optim/flat_optimizers_bf16_test.cc,
+// "exp_avg_sq in bf16 stalls with round-to-nearest"; 4096 elements, lr 0): gradients of standard
+// deviation 1 for 1000 steps, then 0.1 for 3000. The mean exp_avg_sq in float32: 0.6329 after
+// the first phase, 0.04097 after the second (the closed form 0.01 (1 - 0.999^3000) +
+// 0.6329 * 0.999^3000 = 0.0410); bfloat16 to nearest: 0.6684 (already 6% high: grad^2 is
+// skewed, the many small decrements round away while the rare large increments stay), then
+// 0.66838, stalled, 16 times float32's; bfloat16 stochastic: 0.6328 and 0.04096 (within 0.1% of
+// float32). Stochastic rounding makes the moments noisy instead (per step an error of mean zero
+// below one spacing, 2^-8..2^-7 of the value, averaged over the 1/(1 - beta2) steps the moment
+// spans); exp_avg (beta1 = 0.9, moves
 // of 10%) is rounded the same way, so its small increments are not lost either. The random bits
 // of a chunk come from a CPU generator seeded with (FlatAdamOptions::seed, the step counter, the
 // chunk's position in the step), so a run resumed from a checkpoint rounds as before; on
@@ -91,9 +94,6 @@ void adam_update(at::Tensor& p, const at::Tensor& grad_in, at::Tensor& exp_avg, 
   const auto step_size = options.lr() / bias_correction1;
   p.addcdiv_(exp_avg, denom, -step_size);
 }
-
-/// Elements of the float32 working copies of bfloat16 moments per chunk ([Note: bfloat16 moments]).
-inline constexpr int64_t kBFloat16Chunk = int64_t{1} << 16;
 
 inline uint64_t mix64(uint64_t x) {  // splitmix64's finalizer
   x += 0x9E3779B97F4A7C15ull;
