@@ -2,6 +2,7 @@
 
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
 #include <fmt/format.h>
@@ -10,6 +11,7 @@
 #include <array>
 #include <cstdlib>
 #include <memory>
+#include <unordered_map>
 
 #include "fsdp_cpp/comm/flight_recorder.h"
 #include "fsdp_cpp/comm/issuing_api.h"
@@ -82,16 +84,35 @@ int to_count(int64_t numel, const char* collective) {
 // [Note: MPI size check] MPI cannot tell reliably that ranks called different collectives, or the
 // same one with different sizes: a sender with more data than the receiver expects gives
 // MPI_ERR_TRUNCATE on some ranks while others wait forever, and one with less may even complete
-// with garbage. So before a collective runs, the ranks exchange what they are about to run (kind,
+// with garbage. So for every collective the ranks exchange what they are about to run (kind,
 // dtype, element count, root or reduce op, and a hash of the collective's tag: the unit's FQN for
 // fully_shard's collectives, so that equal-sized collectives of different units, e.g. an expert
 // called on some ranks only, fail here instead of exchanging the wrong parameters) with one
-// MPI_Iallreduce(MAX) of 10 integers, each field
-// also negated: the maximum of -x is minus the minimum of x, so every rank learns the range of
-// every field and sees a mismatch at the same collective. The exchange runs on a communicator of
-// its own (the check for the next collective can be in flight while this one runs), and the
-// collective itself starts only once its check passed, in submission order ([Note: MPI progress]).
-// A mismatch fails the collective on every rank, and since it ran nowhere the group stays usable.
+// MPI_Iallreduce(MAX) of 10 integers, each field also negated: the maximum of -x is minus the
+// minimum of x, so every rank learns the range of every field and sees a mismatch at the same
+// collective. The exchange runs on a communicator of its own, issued when the collective is, and
+// every rank verifies the exchanges of a communicator in issue order ([Note: MPI progress]).
+//
+// When the collective itself starts. Waiting for the exchange before every collective doubled the
+// latency-bound exchanges of a training step (the check, then the collective). Instead each
+// backend keeps a history of the verified descriptions: which description followed the last
+// kContext ones the last time they occurred (`CheckHistory`). It is updated only from verified
+// exchanges, in issue order, so it is the same on every rank. A collective whose own description
+// is the one the history predicts at its point (asked once every older check of its communicator
+// was verified, before its own is: the same history on every rank) starts at once, its exchange
+// in flight beside it; any other collective (the first iterations, an iteration whose order
+// changed, a prediction absent or different) waits for its exchange as before. Either way it
+// completes only once its exchange was verified, and fails on every rank when the descriptions
+// differ. Why MPI never sees mismatched calls: if some rank started speculatively, its
+// description is the prediction P, and every rank knows P; a rank whose check then fails (all do,
+// since descriptions differ) and that did not start issues a placeholder shaped like P (zeros in,
+// scratch out), so every rank's call is P-shaped. Without a prediction nobody started, and the
+// collective runs on no rank (as before). The check is exact on every collective: nothing is
+// sampled, so a mismatch in the 50th iteration of an unchanged loop is named like one in the first
+// (mpi_size_check_test). Cost in steady state: one 80-byte exchange overlapping each collective
+// instead of preceding it. What speculation changes for a mismatch: on the ranks that started, the
+// outputs hold the placeholder's data (the error says so); the group stays usable either way.
+// All-to-alls with split sizes are never predicted (their splits are not in the description).
 constexpr int kCheckFields = 5;  // kind, dtype, count, root or reduce op, tag hash
 
 // FNV-1a, kept to 62 bits so that the negated field stays representable: the same in every process
@@ -106,9 +127,16 @@ int64_t tag_hash(const std::string& tag) {
   return static_cast<int64_t>(h >> 2);
 }
 
+using CheckFields = std::array<int64_t, kCheckFields>;
+
 struct SizeCheck {
-  std::array<int64_t, 2 * kCheckFields> mine{};
+  CheckFields fields{};                          // this rank's description
+  std::array<int64_t, 2 * kCheckFields> mine{};  // the fields, then their negations
   std::array<int64_t, 2 * kCheckFields> max{};
+  // After a failed check, where a prediction existed: the placeholder issued in the collective's
+  // place (its tensors stay alive until the collective completed).
+  std::function<int(MPI_Request*)> placeholder;
+  std::vector<at::Tensor> placeholder_tensors;
 };
 
 const char* kind_name(int64_t code) {
@@ -146,9 +174,9 @@ const char* field_name(int field, c10d::OpType type) {
   }
 }
 
-// Throws when the exchanged ranges show that the ranks' descriptions differ.
-void verify_size_check(const SizeCheck& check, c10d::OpType type, const std::string& description,
-                       const std::string& tag) {
+// What the exchanged ranges show that differs across ranks; empty when every rank's description is
+// the same.
+std::string size_check_differences(const SizeCheck& check, c10d::OpType type, const std::string& tag) {
   std::string differences;
   const int64_t min_kind = -check.max[kCheckFields];
   const int64_t max_kind = check.max[0];
@@ -182,16 +210,163 @@ void verify_size_check(const SizeCheck& check, c10d::OpType type, const std::str
           "batch)", tag.empty() ? std::string("no tag") : "'" + tag + "'");
     }
   }
-  if (differences.empty()) return;
+  return differences;
+}
+
+// The error of a failed check. `predicted`: some ranks may have started the collective
+// speculatively, against placeholders of the others.
+void throw_size_mismatch(const std::string& description, const std::string& differences,
+                                      bool predicted) {
   TORCH_CHECK(false, "MPI backend ", description, ": the ranks of the group issued different collectives "
-              "at this point: ", differences, ". The collective was not run on any rank. Every rank "
-              "must issue the same collectives, with the same sizes, in the same order: a rank that ran "
-              "an extra forward or backward, skipped one, or caught an exception the others did not "
-              "causes this; rerun with FSDP_DEBUG=1 to have fully_shard name the ranks and units that "
+              "at this point: ", differences, ". ",
+              predicted ? "The collective was not run as issued: the ranks whose collective was the one "
+                          "issued at this point of earlier iterations ran it against placeholder data of "
+                          "the others, so its outputs are not valid on any rank. "
+                        : "The collective was not run on any rank. ",
+              "Every rank must issue the same collectives, with the same sizes, in the same order: a rank "
+              "that ran an extra forward or backward, skipped one, or caught an exception the others did "
+              "not causes this; rerun with FSDP_DEBUG=1 to have fully_shard name the ranks and units that "
               "diverge.");
 }
 
+// Whether a description can be predicted, i.e. a placeholder of its shape issued from it alone.
+bool predictable(c10d::OpType type) {
+  switch (type) {
+    case c10d::OpType::BROADCAST:
+    case c10d::OpType::ALLREDUCE:
+    case c10d::OpType::ALLGATHER:
+    case c10d::OpType::_ALLGATHER_BASE:
+    case c10d::OpType::_REDUCE_SCATTER_BASE:
+    case c10d::OpType::ALLTOALL_BASE:
+    case c10d::OpType::BARRIER:
+      return true;
+    default:
+      return false;  // all_to_all with split sizes: the splits are not in the description
+  }
+}
+
+// Prepares in `check` the placeholder of the collective described by `p` on a group of `size`
+// ranks over `comm`: the same MPI call with the same counts, zeros sent, scratch received. Runs
+// under the progress engine's lock, not MPI's (datatype_for and op_for may take it).
+void prepare_placeholder(SizeCheck& check, const CheckFields& p, MPI_Comm comm, int size) {
+  const auto type = static_cast<c10d::OpType>(p[0]);
+  const auto dtype = static_cast<at::ScalarType>(p[1]);
+  const int64_t n = p[2];
+  const int count = static_cast<int>(n);
+  if (type == c10d::OpType::BARRIER) {
+    check.placeholder = [comm](MPI_Request* r) { return MPI_Ibarrier(comm, r); };
+    return;
+  }
+  const MPI_Datatype datatype = mpi::datatype_for(dtype, "placeholder");
+  const auto options = at::TensorOptions().dtype(dtype);
+  switch (type) {
+    case c10d::OpType::BROADCAST: {
+      at::Tensor t = at::zeros({n}, options);
+      const int root = static_cast<int>(p[3]);
+      check.placeholder_tensors = {t};
+      check.placeholder = [=](MPI_Request* r) { return MPI_Ibcast(t.data_ptr(), count, datatype, root, comm, r); };
+      return;
+    }
+    case c10d::OpType::ALLREDUCE: {
+      c10d::ReduceOp reduce_op;
+      reduce_op.op_ = static_cast<c10d::ReduceOp::RedOpType>(p[3]);
+      const MPI_Op op = mpi::op_for(reduction_for(reduce_op, "placeholder").first, dtype, "placeholder");
+      at::Tensor t = at::zeros({n}, options);
+      check.placeholder_tensors = {t};
+      check.placeholder = [=](MPI_Request* r) {
+        return MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr(), count, datatype, op, comm, r);
+      };
+      return;
+    }
+    case c10d::OpType::ALLGATHER:
+    case c10d::OpType::_ALLGATHER_BASE: {
+      at::Tensor in = at::zeros({n}, options), out = at::empty({n * size}, options);
+      check.placeholder_tensors = {in, out};
+      check.placeholder = [=](MPI_Request* r) {
+        return MPI_Iallgather(in.data_ptr(), count, datatype, out.data_ptr(), count, datatype, comm, r);
+      };
+      return;
+    }
+    case c10d::OpType::_REDUCE_SCATTER_BASE: {
+      c10d::ReduceOp reduce_op;
+      reduce_op.op_ = static_cast<c10d::ReduceOp::RedOpType>(p[3]);
+      const MPI_Op op = mpi::op_for(reduction_for(reduce_op, "placeholder").first, dtype, "placeholder");
+      at::Tensor in = at::zeros({n * size}, options), out = at::empty({n}, options);
+      check.placeholder_tensors = {in, out};
+      check.placeholder = [=](MPI_Request* r) {
+        return MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(), count, datatype, op, comm, r);
+      };
+      return;
+    }
+    case c10d::OpType::ALLTOALL_BASE: {
+      at::Tensor in = at::zeros({n * size}, options), out = at::empty({n * size}, options);
+      check.placeholder_tensors = {in, out};
+      check.placeholder = [=](MPI_Request* r) {
+        return MPI_Ialltoall(in.data_ptr(), count, datatype, out.data_ptr(), count, datatype, comm, r);
+      };
+      return;
+    }
+    default:
+      TORCH_CHECK(false, "MPI backend: no placeholder for ", kind_name(p[0]), " (never predicted)");
+  }
+}
+
 }  // namespace
+
+// [Note: MPI size check]: which description followed the last kContext verified descriptions of
+// this backend's collectives the last time they occurred. Touched only by the progress engine's
+// callbacks (under its lock), and updated in issue order from verified exchanges only, so every
+// rank of the group holds the same history at the same collective.
+class MpiBackend::CheckHistory {
+ public:
+  /// The description expected next, or null.
+  const CheckFields* predict() const {
+    const auto it = next_.find(context_);
+    return it == next_.end() ? nullptr : &it->second;
+  }
+  /// A collective whose description every rank shares.
+  void record(const CheckFields& agreed) {
+    if (predictable(static_cast<c10d::OpType>(agreed[0]))) {
+      if (next_.size() >= kMaxContexts && next_.find(context_) == next_.end()) next_.clear();
+      next_[context_] = agreed;
+    } else {
+      next_.erase(context_);
+    }
+    push(hash(agreed));
+  }
+  /// A collective whose descriptions differed across ranks.
+  void record_mismatch() { push(kMismatch); }
+
+ private:
+  static constexpr int kContext = 4;
+  // Bounds the memory of programs whose collectives never repeat (e.g. tags that name the step);
+  // every rank clears at the same point.
+  static constexpr size_t kMaxContexts = 1 << 14;
+  static constexpr uint64_t kMismatch = 0x9e3779b97f4a7c15ULL;
+
+  static uint64_t mix(uint64_t h, uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xff;
+      h *= 1099511628211ULL;
+    }
+    return h;
+  }
+  static uint64_t hash(const CheckFields& f) {
+    uint64_t h = 1469598103934665603ULL;
+    for (int64_t v : f) h = mix(h, static_cast<uint64_t>(v));
+    return h;
+  }
+  void push(uint64_t h) {
+    for (int i = 0; i + 1 < kContext; ++i) recent_[i] = recent_[i + 1];
+    recent_[kContext - 1] = h;
+    context_ = 1469598103934665603ULL;
+    for (uint64_t r : recent_) context_ = mix(context_, r);
+  }
+
+  std::array<uint64_t, kContext> recent_{};  // oldest first
+  uint64_t context_ = 0;
+  std::unordered_map<uint64_t, CheckFields> next_;
+};
 
 c10::intrusive_ptr<MpiBackend> MpiBackend::create_world(Options options) {
   mpi::ensure_initialized();
@@ -240,6 +415,7 @@ bool MpiBackendOptions::default_check_sizes() {
 MpiBackend::MpiBackend(MPI_Comm comm, int rank, int size, Options options)
     : c10d::Backend(rank, size),
       comm_(comm),
+      check_history_(std::make_shared<CheckHistory>()),
       options_(std::move(options)),
       wait_drives_progress_(options_.wait_drives_progress) {
   setGroupDesc(options_.name);  // the Communicator's name() (flight recorder dumps)
@@ -312,21 +488,36 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::enqueue(c10d::OpType type, const char
     // [Note: MPI size check]
     auto check = std::make_shared<SizeCheck>();
     const std::string& tag = IssuingApi::current_tag();
-    const std::array<int64_t, kCheckFields> fields = {static_cast<int64_t>(type),
-                                                      static_cast<int64_t>(shape.dtype), shape.count,
-                                                      shape.param, tag_hash(tag)};
+    check->fields = {static_cast<int64_t>(type), static_cast<int64_t>(shape.dtype), shape.count, shape.param,
+                     tag_hash(tag)};
     for (int i = 0; i < kCheckFields; ++i) {
-      check->mine[i] = fields[i];
-      check->mine[kCheckFields + i] = -fields[i];
+      check->mine[i] = check->fields[i];
+      check->mine[kCheckFields + i] = -check->fields[i];
     }
-    MPI_Comm check_comm = check_comm_;
+    MPI_Comm check_comm = check_comm_, comm = comm_;
+    const int size = size_;
+    std::shared_ptr<CheckHistory> history = check_history_;
     op.check_start = [check, check_comm](MPI_Request* r) {
       return MPI_Iallreduce(check->mine.data(), check->max.data(), 2 * kCheckFields, MPI_INT64_T, MPI_MAX,
                             check_comm, r);
     };
-    op.check_verify = [check, type, description = op.description, tag] {
-      verify_size_check(*check, type, description, tag);
+    op.speculate = [check, history] {
+      const CheckFields* predicted = history->predict();
+      return predicted != nullptr && *predicted == check->fields;
     };
+    op.check_verify = [check, history, type, description = op.description, tag, comm, size] {
+      const CheckFields* predicted = history->predict();  // before this collective is recorded
+      const std::string differences = size_check_differences(*check, type, tag);
+      if (differences.empty()) {
+        history->record(check->fields);
+        return;
+      }
+      const bool placeholder = predicted != nullptr;
+      if (placeholder) prepare_placeholder(*check, *predicted, comm, size);
+      history->record_mismatch();
+      throw_size_mismatch(description, differences, placeholder);
+    };
+    op.mismatch_start = [check](MPI_Request* r) { return check->placeholder ? check->placeholder(r) : MPI_SUCCESS; };
   }
   op.start = std::move(start);
   // The lambda owns the tensors until the collective finished: they must outlive the transfer.

@@ -11,7 +11,10 @@
 // within the timeout aborts the job with a report naming it and the API that issued it
 // (comm/issuing_api.h; see [Note: MPI progress]). Ranks that issue different collectives, or the same
 // one with different sizes, get an error from `wait()` on every rank naming it, this rank's sizes
-// and the issuing API, and the collective runs on no rank ([Note: MPI size check] in the .cc).
+// and the issuing API, never MPI_ERR_TRUNCATE or a hang; the group stays usable ([Note: MPI size
+// check] in the .cc: every collective is checked; one that repeats what earlier iterations issued
+// at the same point starts beside its check instead of after it, and where such a collective
+// mismatches, its outputs are not valid on the ranks that started it, as the error says).
 //
 // Latency: by default a collective is issued on the calling thread, and `wait()` on a collective
 // that is the only one outstanding polls MPI itself instead of sleeping until the progress thread
@@ -34,6 +37,7 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -61,8 +65,9 @@ struct MpiBackendOptions {
   /// false when FSDP_MPI_WAIT_DRIVES_PROGRESS=0 is set, else true.
   static bool default_wait_drives_progress();
 
-  /// Whether every collective first checks that all ranks issue the same kind with the same sizes
-  /// (one small all-reduce before it; [Note: MPI size check]). false: a mismatch surfaces as MPI
+  /// Whether every collective checks that all ranks issue the same kind with the same sizes (one
+  /// small all-reduce before it, or beside it once the collective repeats what earlier iterations
+  /// issued at that point; [Note: MPI size check]). false: a mismatch surfaces as MPI
   /// reports it (MPI_ERR_TRUNCATE, a hang until the timeout, or wrong data). Default: true, or
   /// false when the environment sets FSDP_MPI_CHECK_SIZES=0.
   bool check_sizes = default_check_sizes();
@@ -182,6 +187,9 @@ class MpiBackend final : public c10d::Backend, public PointToPointFailures {
 
   MPI_Comm comm_;
   MPI_Comm check_comm_ = MPI_COMM_NULL;  // the size checks ([Note: MPI size check])
+  // The verified descriptions, which let a collective start beside its check ([Note: MPI size check]).
+  class CheckHistory;
+  std::shared_ptr<CheckHistory> check_history_;
   MPI_Comm split_comm_ = MPI_COMM_NULL;  // split() (blocking, in program order)
   // Point-to-point ([Note: MPI point-to-point]): envelopes (matched by the caller's tag), payloads
   // and acknowledgements (matched by the sender's payload tag), each on its own communicator.

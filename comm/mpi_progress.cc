@@ -23,16 +23,22 @@ struct Submitted {
   // Where the collective is (all guarded by the engine's mutex).
   enum class Stage {
     kQueued,    // submitted, nothing issued yet
-    kChecking,  // the size check is in flight, or done and `start` waits for older collectives
-    kRunning,   // the collective itself is in flight
+    kChecking,  // its first stage (the size check) is in flight or done; `start` not issued yet
+    kRunning,   // `start` (or `mismatch_start`) issued; a speculative start's check may still run
     kDone,      // completed in MPI (or failed); `finish` pending or done
   };
   PendingCollective op;
   bool wait_drives_progress = false;
   Stage stage = Stage::kQueued;
-  bool check_done = false;  // the check's exchange completed (kChecking)
-  bool check_ok = false;    // ... and every rank's description matched
-  // The current stage's requests: the check uses the first, `start` up to all of them.
+  bool check_done = false;      // the first stage's requests completed (true without a check)
+  bool check_verified = false;  // check_verify ran (true without a check)
+  std::exception_ptr check_error;  // what check_verify threw: the ranks' descriptions differ
+  bool decided = false;         // `speculate` was asked (or can no longer be)
+  bool speculative = false;     // `start` issued before its own check was verified
+  bool transfer_done = false;   // kRunning: the requests of `start` completed
+  // The first stage's requests (the size check, a recv's envelope) and those of `start`: apart,
+  // since a speculative start runs while its check is still in flight.
+  std::array<MPI_Request, kMaxRequestsPerStage> first_stage{};
   std::array<MPI_Request, kMaxRequestsPerStage> requests{};
   Clock::time_point submitted_at;
   Clock::time_point deadline;  // submission + timeout
@@ -99,6 +105,7 @@ class ProgressEngine {
   Entry submit(PendingCollective op, bool wait_drives_progress) {
     auto entry = std::make_shared<Submitted>();
     entry->requests.fill(MPI_REQUEST_NULL);
+    entry->first_stage.fill(MPI_REQUEST_NULL);
     entry->op = std::move(op);
     if (entry->op.flight_id == 0) entry->op.flight_id = flight_recorder::IssueScope::current();
     entry->wait_drives_progress = wait_drives_progress;
@@ -122,9 +129,10 @@ class ProgressEngine {
         issue_error = issue_locked(*entry);
         if (!issue_error) {
           in_flight_.push_back(entry);
-          // Without a check the collective itself starts here (unless older ones of its
-          // communicator still wait for their checks).
-          if (!entry->op.check_start) advance_checks_locked();
+          // Without a check, or when it may start speculatively ([Note: MPI size check] in
+          // mpi_backend.cc), the collective itself starts here (unless older ones of its
+          // communicator have not started yet).
+          advance_locked();
         }
         // The thread only needs waking from a long sleep: while collectives come and go it naps
         // and looks again by itself, so a caller that waits right away drives its collective
@@ -187,6 +195,8 @@ class ProgressEngine {
     c.drives = drives_.load();
     c.nested_drives = nested_drives_.load();
     c.check_mismatches = check_mismatches_.load();
+    c.speculative_starts = speculative_starts_.load();
+    c.mismatch_placeholders = mismatch_placeholders_.load();
     return c;
   }
 
@@ -308,23 +318,24 @@ class ProgressEngine {
         issued = true;
       }
     }
-    if (issued) advance_checks_locked();
+    if (issued) advance_locked();
   }
 
   // First stage of a collective (mutex_ held): its size check, or, without one, nothing to issue
-  // yet (advance_checks_locked starts it in order). Returns the error if issuing failed.
+  // yet (advance_locked starts it in order). Returns the error if issuing failed.
   static std::exception_ptr issue_locked(Submitted& entry) {
     entry.stage = Stage::kChecking;
     if (!entry.op.check_start) {
       entry.check_done = true;
-      entry.check_ok = true;
+      entry.check_verified = true;
+      entry.decided = true;
       return nullptr;
     }
     try {
       int rc = MPI_SUCCESS;
       {
         std::lock_guard<std::mutex> guard(mpi_lock());
-        rc = entry.op.check_start(entry.requests.data());
+        rc = entry.op.check_start(entry.first_stage.data());
       }
       TORCH_CHECK(rc == MPI_SUCCESS, "MPI backend ", entry.op.description,
                   ": issuing its size check failed: ", error_string(rc));
@@ -334,42 +345,91 @@ class ProgressEngine {
     return nullptr;
   }
 
-  // Verifies completed checks and starts the collectives whose checks passed, in submission order
-  // per communicator (mutex_ held). A failed check completes the collective with its error; it is
-  // then started on no rank, since every rank saw the same exchanged descriptions.
-  void advance_checks_locked() {
-    std::vector<const void*> blocked;  // communicators with an older collective not started yet
-    auto is_blocked = [&](const void* key) {
-      return key != nullptr && std::find(blocked.begin(), blocked.end(), key) != blocked.end();
+  // Moves every collective in flight as far as it can go (mutex_ held), in issue order:
+  //  - verifies completed checks, in issue order per communicator (`order`): check_verify of one
+  //    collective runs only after those of every older one of its communicator;
+  //  - asks `speculate` of a collective whose check is not verified yet, once every older one of
+  //    its communicator was verified (so the backend answers from the same history on every rank);
+  //  - starts collectives in issue order per communicator: once their check passed, or at once when
+  //    `speculate` allowed it; a collective whose check failed issues `mismatch_start` instead (in
+  //    the same order) and fails once that completed;
+  //  - a started collective whose transfer finished completes once its check was verified, with the
+  //    check's error if any.
+  // A failed check is seen alike on every rank (every rank verifies the same exchanged values), so
+  // every rank issues the same MPI calls on the collectives' communicator.
+  void advance_locked() {
+    std::vector<const void*> unverified;  // communicators with an older unverified check
+    std::vector<const void*> unstarted;   // communicators with an older collective not started yet
+    auto holds = [](const std::vector<const void*>& keys, const void* key) {
+      return key != nullptr && std::find(keys.begin(), keys.end(), key) != keys.end();
     };
     bool removed = false;
     for (auto& entry : in_flight_) {
-      if (entry->stage != Stage::kChecking) continue;
-      if (entry->check_done && !entry->check_ok) continue;  // already failed (being removed)
-      if (!entry->check_done || is_blocked(entry->op.order)) {
-        if (entry->op.order != nullptr) blocked.push_back(entry->op.order);
+      if (entry->stage == Stage::kDone) continue;
+      const void* key = entry->op.order;
+      const bool older_unverified = holds(unverified, key);
+      if (!entry->check_verified && !older_unverified) {
+        if (!entry->decided && entry->stage == Stage::kChecking) {
+          // Asked before this collective's own check is verified, whether or not it completed.
+          entry->decided = true;
+          entry->speculative = entry->op.speculate && entry->op.speculate();
+        }
+        if (entry->check_done) {
+          try {
+            if (entry->op.check_verify) entry->op.check_verify();
+          } catch (...) {
+            check_mismatches_.fetch_add(1);
+            entry->check_error = std::current_exception();
+          }
+          entry->check_verified = true;
+        }
+      }
+      if (entry->stage == Stage::kChecking && !holds(unstarted, key) &&
+          (entry->check_verified || entry->speculative)) {
+        // Its turn: the real collective (check passed, or speculative), or what keeps the group
+        // consistent after a failed check.
+        const bool real = !entry->check_error;
+        std::exception_ptr error;
+        try {
+          int rc = MPI_SUCCESS;
+          {
+            std::lock_guard<std::mutex> guard(mpi_lock());
+            if (real) {
+              rc = entry->op.start(entry->requests.data());
+            } else if (entry->op.mismatch_start) {
+              rc = entry->op.mismatch_start(entry->requests.data());
+            }
+          }
+          TORCH_CHECK(rc == MPI_SUCCESS, "MPI backend ", entry->op.description,
+                      ": issuing it failed: ", error_string(rc));
+          entry->stage = Stage::kRunning;
+          entry->transfer_done = std::all_of(entry->requests.begin(), entry->requests.end(),
+                                             [](MPI_Request r) { return r == MPI_REQUEST_NULL; });
+          if (real) {
+            flight_recorder::record_started(entry->op.flight_id);
+            if (!entry->check_verified) speculative_starts_.fetch_add(1);
+          } else if (!entry->transfer_done) {
+            mismatch_placeholders_.fetch_add(1);
+          }
+        } catch (...) {
+          error = std::current_exception();
+        }
+        if (error) {
+          // Issuing failed on this rank only: nothing to keep consistent any more.
+          entry->stage = Stage::kDone;
+          ready_.push_back({entry, MPI_SUCCESS, error});
+          removed = true;
+          continue;
+        }
+      }
+      if (entry->stage == Stage::kRunning && entry->transfer_done && entry->check_verified) {
+        entry->stage = Stage::kDone;
+        ready_.push_back({entry, MPI_SUCCESS, entry->check_error});
+        removed = true;
         continue;
       }
-      std::exception_ptr error;
-      try {
-        int rc = MPI_SUCCESS;
-        {
-          std::lock_guard<std::mutex> guard(mpi_lock());
-          rc = entry->op.start(entry->requests.data());
-        }
-        TORCH_CHECK(rc == MPI_SUCCESS, "MPI backend ", entry->op.description,
-                    ": issuing it failed: ", error_string(rc));
-        entry->stage = Stage::kRunning;
-        flight_recorder::record_started(entry->op.flight_id);
-      } catch (...) {
-        error = std::current_exception();
-      }
-      if (error) {
-        entry->check_ok = false;
-        entry->stage = Stage::kDone;
-        ready_.push_back({entry, MPI_SUCCESS, error});
-        removed = true;
-      }
+      if (!entry->check_verified && key != nullptr) unverified.push_back(key);
+      if (entry->stage == Stage::kChecking && key != nullptr) unstarted.push_back(key);
     }
     if (removed) remove_done_locked();
   }
@@ -380,54 +440,34 @@ class ProgressEngine {
                      in_flight_.end());
   }
 
-  // Tests every request in flight once (mutex_ held): completed collectives go to ready_, completed
-  // checks are verified and the collectives behind them started.
+  // Tests every request in flight once (mutex_ held), then moves what completed on (advance_locked).
   void poll_locked() {
     if (in_flight_.empty()) return;
-    bool checks_completed = false;
-    bool completed = false;
+    bool progressed = false;
     {
       std::lock_guard<std::mutex> guard(mpi_lock());
       for (auto& entry : in_flight_) {
-        const bool testing = entry->stage == Stage::kRunning ||
-                             (entry->stage == Stage::kChecking && !entry->check_done);
-        if (!testing) continue;
-        int flag = 0;
+        if (entry->stage == Stage::kDone) continue;
         // Unused entries are MPI_REQUEST_NULL, which count as complete.
-        const int rc = MPI_Testall(kMaxRequestsPerStage, entry->requests.data(), &flag,
-                                   MPI_STATUSES_IGNORE);
-        if (rc != MPI_SUCCESS) {
-          dump_and_abort("collective " + entry->op.description + " failed in MPI: " + error_string(rc));
-        }
-        if (!flag) continue;
-        if (entry->stage == Stage::kRunning) {
-          entry->stage = Stage::kDone;
-          ready_.push_back({entry, MPI_SUCCESS, nullptr});
-          completed = true;
-        } else {
+        auto test = [&](std::array<MPI_Request, kMaxRequestsPerStage>& requests) {
+          int flag = 0;
+          const int rc = MPI_Testall(kMaxRequestsPerStage, requests.data(), &flag, MPI_STATUSES_IGNORE);
+          if (rc != MPI_SUCCESS) {
+            dump_and_abort("collective " + entry->op.description + " failed in MPI: " + error_string(rc));
+          }
+          return flag != 0;
+        };
+        if (!entry->check_done && test(entry->first_stage)) {
           entry->check_done = true;
-          checks_completed = true;
+          progressed = true;
+        }
+        if (entry->stage == Stage::kRunning && !entry->transfer_done && test(entry->requests)) {
+          entry->transfer_done = true;
+          progressed = true;
         }
       }
     }
-    if (checks_completed) {
-      for (auto& entry : in_flight_) {
-        if (entry->stage != Stage::kChecking || !entry->check_done || entry->check_ok) continue;
-        try {
-          if (entry->op.check_verify) entry->op.check_verify();
-          entry->check_ok = true;
-        } catch (...) {
-          check_mismatches_.fetch_add(1);
-          entry->stage = Stage::kDone;
-          ready_.push_back({entry, MPI_SUCCESS, std::current_exception()});
-          completed = true;
-        }
-      }
-      if (completed) remove_done_locked();
-      advance_checks_locked();
-    } else if (completed) {
-      remove_done_locked();
-    }
+    if (progressed) advance_locked();
   }
 
   // Runs `after` and `finish` of a completed collective (mutex_ not held).
@@ -456,6 +496,8 @@ class ProgressEngine {
     entry->op.start = nullptr;
     entry->op.check_start = nullptr;
     entry->op.check_verify = nullptr;
+    entry->op.speculate = nullptr;
+    entry->op.mismatch_start = nullptr;
     auto finish = std::move(entry->op.finish);
     entry->op.finish = nullptr;
     {
@@ -526,7 +568,13 @@ class ProgressEngine {
                       "this point";
         break;
       case Stage::kRunning:
-        where = "every rank issued it with the same sizes, but the transfer did not finish";
+        where = !e.check_done
+                    ? "this rank issued it (started at once, as the sizes it expected from earlier "
+                      "iterations), but not every rank of the group issued a collective at this point"
+                : e.check_error
+                    ? "the ranks issued different collectives here, and the placeholder that keeps "
+                      "the group consistent did not finish"
+                    : "every rank issued it with the same sizes, but the transfer did not finish";
         break;
       case Stage::kDone:
         where = "it completed in MPI, but its completion never ran, because no thread was free to run it";
@@ -579,6 +627,8 @@ class ProgressEngine {
   std::atomic<uint64_t> drives_{0};
   std::atomic<uint64_t> nested_drives_{0};
   std::atomic<uint64_t> check_mismatches_{0};
+  std::atomic<uint64_t> speculative_starts_{0};
+  std::atomic<uint64_t> mismatch_placeholders_{0};
 };
 
 ProgressEngine& engine() {

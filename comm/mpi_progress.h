@@ -30,10 +30,15 @@
 //  - Without `wait_drives_progress` (the previous behaviour, kept for comparisons), the progress
 //    thread issues the collective and the waiter sleeps until the thread completes it.
 //  - A collective submitted with a size check (`check_start`, see PendingCollective) goes through
-//    two stages: first a small exchange of its kind and sizes on a separate communicator, then,
-//    once every rank's description matched, the collective itself, issued in submission order
-//    among the collectives of its communicator (`order`). A mismatch completes it with an error on
-//    every rank at once and the collective itself is issued on none, so the group stays usable.
+//    two stages: first a small exchange of its kind and sizes on a separate communicator, then the
+//    collective itself, issued in submission order among the collectives of its communicator
+//    (`order`): once every rank's description matched, or at once, beside its check, when the
+//    backend's `speculate` says that every rank can tell what it will be (the same collective at
+//    the same point of earlier iterations: [Note: MPI size check] in mpi_backend.cc). Checks are
+//    verified in submission order per communicator. A mismatch completes it with an error on every
+//    rank at once; the collective itself ran on no rank, or, where some ranks started it
+//    speculatively, the others ran a placeholder of the same shape (`mismatch_start`), so MPI
+//    never sees mismatched calls and the group stays usable.
 //  - Point-to-point operations ([Note: MPI point-to-point] in comm/mpi_point_to_point.cc) use the
 //    same stages without the ordering: a recv's first stage receives the sender's envelope (in
 //    place of the size check), its second receives the payload; `order` is null, so neither waits
@@ -77,6 +82,15 @@ struct PendingCollective {
   /// descriptions differ, which completes the collective with that error; else `start` follows.
   std::function<int(MPI_Request*)> check_start;
   std::function<void()> check_verify;
+  /// Optional, with a check: asked at most once, under the engine's lock, after check_verify ran
+  /// for every older collective of the same `order` and before it runs for this one; true lets
+  /// `start` be issued (in order) before this collective's own check completed. The collective
+  /// then completes once both finished, with check_verify's error if it threw.
+  std::function<bool()> speculate;
+  /// Optional: issued in `start`'s place (same order, same request array) when check_verify threw
+  /// and `start` was not issued; may issue nothing. The collective then fails with the check's
+  /// error once these requests completed.
+  std::function<int(MPI_Request*)> mismatch_start;
   /// Collectives with the same `order` (their communicator) are started (`start`) in submission
   /// order, whatever order their checks complete in, as MPI requires. null: started as soon as its
   /// own first stage completed (point-to-point operations, matched by MPI tags instead).
@@ -126,6 +140,8 @@ struct ProgressCounters {
   uint64_t drives = 0;               // times a waiting thread became the driver
   uint64_t nested_drives = 0;        // times a wait() inside a completion callback drove progress
   uint64_t check_mismatches = 0;     // collectives refused because the ranks' sizes differed
+  uint64_t speculative_starts = 0;   // collectives started before their own check was verified
+  uint64_t mismatch_placeholders = 0;  // placeholders issued after a failed check (mismatch_start)
 };
 ProgressCounters progress_counters();
 
