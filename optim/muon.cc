@@ -200,6 +200,11 @@ at::Tensor muon_newton_schulz(const at::Tensor& update, const std::vector<double
 Muon::Muon(torch::nn::Module& model, const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
            MuonOptions defaults, std::shared_ptr<comm::Communicator> comm, MuonDistribution distribution)
     : torch::optim::Optimizer(param_groups, std::make_unique<MuonOptions>(defaults)), comm_(std::move(comm)) {
+  // LibTorch's add_param_group merges only the options of its own optimizers and gives a group with
+  // options of another type the defaults: a group's MuonOptions are taken whole, as given.
+  for (size_t g = 0; g < param_groups.size(); ++g) {
+    if (param_groups[g].has_options()) param_groups_[g].set_options(param_groups[g].options().clone());
+  }
   if (!comm_ && fsdp_module_of(model) && comm::is_initialized()) comm_ = comm::default_process_group().comm;
   build(model, distribution);
 }

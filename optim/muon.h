@@ -152,6 +152,8 @@ struct MuonMatrix {
 
 class Muon : public torch::optim::Optimizer {
  public:
+  /// A param group's MuonOptions are its options whole (C++ options have no unset fields to take
+  /// from `defaults`, unlike Python's dicts); groups without options get `defaults`.
   /// `model`: a fully_shard root (its parameters sharded over `comm`'s ranks) or a model without
   /// fully_shard (every parameter whole on every rank). `param_groups`: parameters of `model`
   /// (by tensor identity), each a matrix. `comm`: the ranks among which the matrices are spread;
