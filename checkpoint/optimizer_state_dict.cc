@@ -462,8 +462,11 @@ torch::OrderedDict<std::string, at::Tensor> full_optimizer_state_dict(const FSDP
         const at::Tensor t = access.tensor(p.param, name);
         const bool keep_here = p.unit ? !options.rank0_only() || writes_replicated(root, *p.unit) : keep;
         if (!keep_here && !p.tp) continue;
-        const at::Tensor full =
-            global_of(p, t.defined() ? t.reshape(p.piece_shape) : at::zeros(p.piece_shape, state_options(p)));
+        // In the parameter's dtype (the top of optimizer_state_dict.h), as the sharded handles'
+        // shards below are assembled: bfloat16 moments (fsdp::optim's FlatAdamOptions) give the
+        // same full dict on one rank as on several.
+        const at::Tensor full = global_of(p, t.defined() ? t.reshape(p.piece_shape).to(state_options(p).dtype())
+                                                         : at::zeros(p.piece_shape, state_options(p)));
         if (keep_here) values[{p.param.unsafeGetTensorImpl(), name}] = finish(full);
       }
       continue;
