@@ -89,7 +89,7 @@ HandlePlan plan_handle(const FlatParamHandle& handle, const FSDPConfig& config) 
     h.encoded_gather_bytes = handle.all_gather_codec()->encoded_bytes(h.shard_numel);
   }
   if (h.sharded && h.trainable && handle.reduce_codec()) {
-    h.encoded_reduce_bytes = handle.reduce_codec()->encoded_bytes(h.shard_numel);
+    h.encoded_reduce_bytes = handle.encoded_reduce_bytes();  // the FlatParameter's row layout
   }
   for (size_t i = 0; i < handle.params().size(); ++i) {
     std::string text = handle.params()[i].fqn + " " + contract::shape_string(layout.entries[i].shape);

@@ -45,8 +45,9 @@
 //    replicate group with HSDP ([Note: backward reach] in fsdp/backward_reach.h). A unit with an
 //    all_gather_codec carries W x encoded_bytes(shard_numel) per all-gather over its shard group
 //    (the post-forward group's all-gathers are not encoded); one with a reduce_codec reduces each
-//    trainable sharded handle with an all-to-all of W x encoded_bytes(shard_numel) instead of
-//    the reduce-scatter ([Note: communication codecs] in fsdp/comm_codec.h). On one rank
+//    trainable sharded handle with an all-to-all of W x encoded_reduce_bytes() (encoded with the
+//    FlatParameter's row layout) instead of the reduce-scatter ([Note: communication codecs] in
+//    fsdp/comm_codec.h). On one rank
 //    nothing is communicated. Assumes each unit runs once per forward and is reached by backward; the first
 //    iteration's small order checks (all_gather_bytes) are not counted.
 

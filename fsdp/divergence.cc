@@ -133,7 +133,7 @@ void add_reduction_fields(Fingerprint& f, const std::vector<std::unique_ptr<Flat
     if (handle->reduces_encoded()) {  // [Note: quantized gradient reduction] in fsdp/flat_param_grad.h
       const int64_t shard_numel = handle->layout().shard_numel();
       reduction << "all-to-all of " << handle->layout().world_size << " x "
-                << handle->reduce_codec()->encoded_bytes(shard_numel) << " bytes encoded by "
+                << handle->encoded_reduce_bytes() << " bytes encoded by "
                 << handle->reduce_codec()->name() << " from " << handle->layout().padded_numel << " elements of "
                 << c10::toString(handle->reduce_dtype());
       continue;

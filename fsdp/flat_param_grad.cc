@@ -54,6 +54,20 @@ FlatParamGrad::FlatParamGrad(const FlatParamStorage& storage,
   }
 }
 
+CodecRowLayout FlatParamGrad::reduce_rows() const {
+  const FlatParamLayout& layout = storage_.layout();
+  CodecRowLayout rows;
+  rows.numel = layout.shard_numel();
+  rows.shards = layout.world_size;
+  for (const auto& e : layout.entries) rows.tensor_starts.push_back(e.offset);
+  for (int64_t r = 0; r < rows.shards; ++r) rows.row_shards.push_back(r);
+  return rows;
+}
+
+int64_t FlatParamGrad::encoded_reduce_bytes() const {
+  return reduces_encoded() ? reduce_codec_->encoded_bytes_with_layout(reduce_rows()) : 0;
+}
+
 at::Tensor FlatParamGrad::sharded() const {
   // The parameters' `.grad` are the truth (nothing here keeps a reference, so zero_grad with
   // set_to_none frees the gradient): they are the sharded gradient when they are all views of
@@ -247,10 +261,17 @@ void FlatParamGrad::reduce(bool sync) {
   reduce_input_ = flat;
   const std::string& tag = storage_.unit_fqn();
   if (reduces_encoded()) {
-    // [Note: quantized gradient reduction]: W encoded chunks, chunk j to rank j.
+    // [Note: quantized gradient reduction]: W encoded chunks, chunk j to rank j, blocks aligned to
+    // the parameters, rounded stochastically from this rank's stream of this reduction.
     const int64_t shard_numel = storage_.layout().shard_numel();
+    CodecRowLayout rows = reduce_rows();
+    const auto& entries = storage_.layout().entries;
+    const int64_t data_rank =
+        replicated() ? static_cast<int64_t>(replicate_->rank()) * world + comm_->rank() : comm_->rank();
+    rows.rounding_seed = codec_rounding_seed(tag + "/" + (entries.empty() ? std::string() : entries.front().fqn),
+                                             encoded_reductions_++, static_cast<uint64_t>(data_rank));
     streams_->on_reduce_stream([&] {
-      encoded_input_ = encode_rows(*reduce_codec_, reduce_input_.view({world, shard_numel}),
+      encoded_input_ = encode_rows(*reduce_codec_, reduce_input_.view({world, shard_numel}), rows,
                                    "fully_shard: unit '" + tag + "': the reduce codec");
       reduce_output_ = at::empty_like(encoded_input_);
       reduce_encoded_ = true;
@@ -311,7 +332,10 @@ void FlatParamGrad::finish_reduction() {
     at::Tensor received = std::move(reduce_output_);
     reduce_output_ = at::empty({received.size(0), storage_.layout().shard_numel()},
                                received.options().dtype(at::kFloat));
-    decode_rows(*reduce_codec_, received, reduce_output_,
+    // Every row received is this rank's shard, encoded by one rank.
+    CodecRowLayout rows = reduce_rows();
+    rows.row_shards.assign(rows.row_shards.size(), comm_->rank());
+    decode_rows(*reduce_codec_, received, reduce_output_, rows,
                 "fully_shard: unit '" + storage_.unit_fqn() + "': the reduce codec");
     reduce_output_ = reduce_output_.sum(0);
   }

@@ -76,21 +76,36 @@
 // DeepSpeed ZeRO++'s qgZ) and a shard group of W > 1 ranks, step 3 replaces the reduce-scatter by
 // an all-to-all: the padded flat gradient (reduce dtype, after the pre-division) is encoded as W
 // rows of shard_numel elements, row j being rank j's shard ([Note: communication codecs] in
-// fsdp/comm_codec.h), and comm::Communicator::all_to_all_single sends row j to rank j. Step 4
-// decodes the W rows this rank received into float32 and sums them (in float32, whatever the
-// reduce dtype), then goes on as after a reduce-scatter: the cast to the parameters' dtype, the
-// post-division, HSDP's replicate partial or all-reduce (not encoded), offload, the set-aside
-// gradient. Everything else is unchanged: gradients accumulated without sync are added (in the
-// reduce dtype, unencoded) before encoding, the divide factor splits as before, discard() drops the
-// encoded buffers with the rest. Bytes: the all-to-all carries W x encoded_bytes(shard_numel)
-// where the reduce-scatter carried padded_numel x the reduce dtype's size. Error, with
-// int8_block_codec: each element of the reduced gradient is within
-//   (1 / divisor) x sum over the shard group's ranks r of absmax_r(block) / 254
-// of the exact one (absmax_r(block): the largest magnitude in the element's block of rank r's
-// pre-divided gradient chunk; divisor: the post-division, the data-parallel size by default), i.e.
-// at most the mean over ranks of the block's absmax / 254: 0.4% of the block's largest gradient,
-// plus float32 rounding. Under HSDP the replicate all-reduce sums R such errors. On one rank (and
-// NO_SHARD, which refuses codecs) nothing is encoded.
+// fsdp/comm_codec.h), and comm::Communicator::all_to_all_single sends row j to rank j. The codec
+// is given the FlatParameter's row layout (reduce_rows(): W shards of shard_numel, a tensor start
+// at each parameter's offset; [Note: codec row layouts]), the same on every rank since it derives
+// from the FlatParameter's layout only, and a rounding seed (codec_rounding_seed of the unit's and
+// the first parameter's FQNs, this FlatParameter's count of encoded reductions, and this rank's
+// data-parallel index, replicate rank x W + shard rank: [Note: stochastic rounding of
+// gradients]); every row of both directions has encoded_reduce_bytes() bytes. Step 4 decodes the
+// W rows this rank received (each one its own shard, as rank r encoded it) into float32 and sums
+// them (in float32, whatever the reduce dtype), then goes on as after a reduce-scatter: the cast
+// to the parameters' dtype, the post-division, HSDP's replicate partial or all-reduce (not
+// encoded), offload, the set-aside gradient. Everything else is unchanged: gradients accumulated
+// without sync are added (in the reduce dtype, unencoded) before encoding, so one rounding covers
+// the whole accumulation; the divide factor splits as before; discard() drops the encoded buffers
+// with the rest (stochastic rounding keeps no state: nothing to checkpoint or to discard). Bytes:
+// the all-to-all carries W x encoded_reduce_bytes() where the reduce-scatter carried padded_numel
+// x the reduce dtype's size. Error, with int8_block_codec: blocks never span two parameters, and
+// each element of the reduced gradient is the exact one plus
+//   (1 / divisor) x sum over the shard group's ranks r of e_r,
+// e_r independent across ranks and steps, zero-mean, |e_r| < absmax_r(block) / 127 and
+// E[e_r^2] <= (absmax_r(block) / 127)^2 / 4 (absmax_r(block): the largest magnitude in the
+// element's block of rank r's pre-divided gradient chunk, a block lying within one parameter;
+// divisor: the post-division, the data-parallel size by default; bfloat16 scales 2^-7 more; plus
+// float32 rounding). So the reduced gradient is unbiased, within the mean over ranks of the
+// block's absmax / 127 in every step, and after T steps of SGD at learning rate lr (gradients
+// that do not depend on the parameters' path, or to first order) a parameter is off the
+// unquantized run by a zero-mean sum whose standard deviation is at most
+//   lr / (2 x divisor) x sqrt(sum over steps t and ranks r of (absmax_{r,t}(block) / 127)^2).
+// quantized_comm_bias_test checks both against the unquantized run. Under HSDP the replicate
+// all-reduce sums R such errors. On one rank (and NO_SHARD, which refuses codecs) nothing is
+// encoded.
 
 #include <memory>
 #include <optional>
@@ -125,6 +140,11 @@ class FlatParamGrad {
   const std::shared_ptr<const CommCodec>& reduce_codec() const { return reduce_codec_; }
   /// Whether step 3 is an all-to-all of encoded chunks (a reduce codec, sharded over W > 1 ranks).
   bool reduces_encoded() const { return reduce_codec_ && storage_.sharded() && comm_->size() > 1; }
+  /// The row layout the reduce codec encodes with ([Note: quantized gradient reduction]): W shards
+  /// of shard_numel, a tensor start at each parameter's offset, rows 0..W-1, no seed.
+  CodecRowLayout reduce_rows() const;
+  /// Bytes of each row the all-to-all sends and receives, 0 unless reduces_encoded().
+  int64_t encoded_reduce_bytes() const;
   /// Hybrid sharding with more than one replica: finalize() all-reduces across the replicas.
   bool replicated() const { return replicate_ && replicate_->size() > 1; }
 
@@ -211,6 +231,7 @@ class FlatParamGrad {
   at::Tensor encoded_input_;          // quantized reduction in flight: [W x encoded] uint8 sent
   std::shared_ptr<const CommCodec> reduce_codec_;  // [Note: quantized gradient reduction], or null
   bool reduce_encoded_ = false;       // reduce_output_ holds [W x encoded] received rows to decode
+  uint64_t encoded_reductions_ = 0;   // encoded reductions issued: the rounding streams' step
   at::Tensor replicate_partial_;      // 1-D [shard_numel]: HSDP passes without the all-reduce, or undefined
   comm::PendingCollective pending_reduce_;
   at::Tensor replicate_output_;       // asynchronous replicate all-reduce in flight: its tensor

@@ -115,6 +115,8 @@ class FlatParamHandle {
   /// fsdp/flat_param_grad.h), or null; reduces_encoded(): it is used (sharded over W > 1 ranks).
   const std::shared_ptr<const CommCodec>& reduce_codec() const { return grad_.reduce_codec(); }
   bool reduces_encoded() const { return grad_.reduces_encoded(); }
+  /// Bytes of each row of the gradient all-to-all ([Note: quantized gradient reduction]), or 0.
+  int64_t encoded_reduce_bytes() const { return grad_.encoded_reduce_bytes(); }
 
   /// Start of a backward pass: sets aside the sharded gradients the original parameters still
   /// hold (from an earlier backward without set_to_none, or replaced by the user: written back),

@@ -607,12 +607,18 @@ FSDP_RANKS_TEST_CASE("the printed plan names the codecs and the encoded bytes", 
   CHECK_THAT(text, Catch::Matchers::Contains("all-gather codec int8_block(16, Float scales), reduce codec "
                                              "int8_block(16, Float scales)"));
   // The golden model's handles (72 and 60 padded elements): W x encoded_bytes(shard) per
-  // all-gather (the block gathered twice, the root once) and per all-to-all.
+  // all-gather (the block gathered twice, the root once); per all-to-all W x the bytes of the
+  // handle's row layout, its blocks aligned to its parameters ([Note: codec row layouts]).
   int64_t gathered = 0, reduced = 0;
-  for (int64_t padded : {72, 60}) {
-    const int64_t encoded = W * codec->encoded_bytes(padded / W);
-    gathered += (padded == 72 ? 1 : 2) * encoded;
-    reduced += encoded;
+  for (int64_t padded : {72, 60}) gathered += (padded == 72 ? 1 : 2) * W * codec->encoded_bytes(padded / W);
+  for (const auto& unit : units) {
+    for (const auto& h : fsdp::detail::handles_of(unit)) {
+      fsdp::CodecRowLayout rows;
+      rows.numel = h->layout().shard_numel();
+      rows.shards = W;
+      for (const auto& e : h->layout().entries) rows.tensor_starts.push_back(e.offset);
+      reduced += W * codec->encoded_bytes_with_layout(rows);
+    }
   }
   CHECK(plan.communication.all_gather.bytes == (W > 1 ? gathered : 0));
   CHECK(plan.communication.all_to_all.bytes == (W > 1 ? reduced : 0));

@@ -4,7 +4,8 @@
 // [Note: quantized gradient reduction]:
 //   (a) gradients reduced through int8_block_codec are within the documented bound of the
 //       reference average, element by element (the bound computed here from the reference's
-//       per-rank gradients laid out as the FlatParameters are): FULL_SHARD and SHARD_GRAD_OP,
+//       per-rank gradients laid out as the FlatParameters are, in blocks aligned to the
+//       parameters, with stochastic rounding's absmax / 127): FULL_SHARD and SHARD_GRAD_OP,
 //       every hybrid mesh, float32 and bfloat16 reduce dtypes and scales, a divide factor,
 //       accumulation without sync; the shard group issues all-to-alls of W x encoded bytes
 //       instead of reduce-scatters, the replicate all-reduce is unchanged; one rank (or a shard
@@ -12,6 +13,7 @@
 //   (b) a user-defined codec (float16, written here) plugs into the same extension point;
 //   (c) ranks that disagree on a codec fail on every rank naming the unit; NO_SHARD with a codec
 //       is refused naming the unit.
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -102,7 +104,8 @@ std::unordered_map<const void*, std::string> keys_of(torch::nn::Module& model) {
   return keys;
 }
 
-// absmax of each element's block, blocks of `block` from the start of each of `chunks` rows.
+// absmax of each element's block, blocks of `block` from the start of each of `chunks` rows (the
+// all-gather: no row layout).
 at::Tensor block_absmax(const at::Tensor& flat, int64_t chunks, int64_t block) {
   const int64_t n = flat.numel() / chunks, blocks = (n + block - 1) / block;
   at::Tensor padded = at::zeros({chunks, blocks * block}, at::kDouble);
@@ -110,11 +113,34 @@ at::Tensor block_absmax(const at::Tensor& flat, int64_t chunks, int64_t block) {
   return padded.view({chunks, blocks, block}).amax(2).repeat_interleave(block, 1).narrow(1, 0, n).reshape({-1});
 }
 
+// absmax of each element's block in a row layout ([Note: int8 block codec]): in each of `chunks`
+// rows, blocks of `block` from the row's start and from each of `starts` inside the row (the
+// parameters' offsets), so that no block spans two parameters.
+at::Tensor aligned_block_absmax(const at::Tensor& flat, int64_t chunks, int64_t block, const std::vector<int64_t>& starts) {
+  const int64_t n = flat.numel() / chunks;
+  at::Tensor out = at::zeros({flat.numel()}, at::kDouble);
+  for (int64_t r = 0; r < chunks; ++r) {
+    std::vector<int64_t> cuts = {r * n};
+    for (int64_t s : starts) {
+      if (s > cuts.back() && s < (r + 1) * n) cuts.push_back(s);
+    }
+    cuts.push_back((r + 1) * n);
+    for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+      for (int64_t b = cuts[i]; b < cuts[i + 1]; b += block) {
+        const int64_t len = std::min(block, cuts[i + 1] - b);
+        out.narrow(0, b, len).fill_(flat.narrow(0, b, len).abs().max().item<double>());
+      }
+    }
+  }
+  return out;
+}
+
 // The documented bound per element of the reduced gradient ([Note: quantized gradient
-// reduction]): (1 / divisor) x sum over ranks q of absmax_q(block) / 254, absmax_q over rank q's
-// padded flat gradient chunked as the shard group's shards, with bfloat16 scales at most 2^-7
-// larger; a bfloat16 reduce dtype adds the rounding of each rank's gradient to it (2^-8, on the
-// values and on absmax). Returned per parameter key, in the parameter's shape.
+// reduction]): (1 / divisor) x sum over ranks q of absmax_q(block) / 127 (stochastic rounding:
+// less than one step of the block's scale), absmax_q over rank q's padded flat gradient chunked
+// as the shard group's shards in blocks aligned to the parameters, with bfloat16 scales at most
+// 2^-7 larger; a bfloat16 reduce dtype adds the rounding of each rank's gradient to it (2^-8, on
+// the values and on absmax). Returned per parameter key, in the parameter's shape.
 Grads gradient_bound(const std::vector<fsdp::FSDPModule>& units, torch::nn::Module& model,
                      const std::vector<Grads>& per_rank, double divisor, bool bf16_scales, bool bf16_reduce) {
   const auto keys = keys_of(model);
@@ -131,9 +157,11 @@ Grads gradient_bound(const std::vector<fsdp::FSDPModule>& units, torch::nn::Modu
           const auto& e = layout.entries[i];
           flat.narrow(0, e.offset, e.numel).copy_(g.at(keys.at(h->params()[i].param.unsafeGetTensorImpl())).reshape({-1}));
         }
-        at::Tensor absmax = block_absmax(flat, shards, kBlock);
+        std::vector<int64_t> starts;
+        for (const auto& e : layout.entries) starts.push_back(e.offset);
+        at::Tensor absmax = aligned_block_absmax(flat, shards, kBlock, starts);
         if (bf16_reduce) absmax = absmax * (1 + std::ldexp(1.0, -8));
-        at::Tensor term = absmax / 254.0 * (bf16_scales ? 1 + std::ldexp(1.0, -7) : 1.0);
+        at::Tensor term = absmax / 127.0 * (bf16_scales ? 1 + std::ldexp(1.0, -7) : 1.0);
         if (bf16_reduce) term = term + flat.abs() * std::ldexp(1.0, -8);
         sum += term;
       }
@@ -168,12 +196,18 @@ double check_within(const Grads& got, const Grads& expected, const Grads& bound)
   return largest;
 }
 
+// W x the bytes of each trainable sharded handle's row layout ([Note: codec row layouts]): its
+// shards, a tensor start at each parameter's offset.
 int64_t encoded_reduction_bytes(const std::vector<fsdp::FSDPModule>& units, const fsdp::CommCodec& codec) {
   int64_t bytes = 0;
   for (const auto& u : units) {
     for (const auto& h : fsdp::detail::handles_of(u)) {
       if (h->requires_grad() && h->layout().world_size > 1) {
-        bytes += h->layout().world_size * codec.encoded_bytes(h->layout().shard_numel());
+        fsdp::CodecRowLayout rows;
+        rows.numel = h->layout().shard_numel();
+        rows.shards = h->layout().world_size;
+        for (const auto& e : h->layout().entries) rows.tensor_starts.push_back(e.offset);
+        bytes += h->layout().world_size * codec.encoded_bytes_with_layout(rows);
       }
     }
   }
