@@ -382,6 +382,11 @@ class ProgressEngine {
             entry->check_error = std::current_exception();
           }
           entry->check_verified = true;
+          // The flight recorder's "started" keeps its meaning (every rank issued it, with the same
+          // sizes): a speculative start is recorded once its check passed.
+          if (entry->speculative && entry->stage == Stage::kRunning && !entry->check_error) {
+            flight_recorder::record_started(entry->op.flight_id);
+          }
         }
       }
       if (entry->stage == Stage::kChecking && !holds(unstarted, key) &&
@@ -405,9 +410,10 @@ class ProgressEngine {
           entry->stage = Stage::kRunning;
           entry->transfer_done = std::all_of(entry->requests.begin(), entry->requests.end(),
                                              [](MPI_Request r) { return r == MPI_REQUEST_NULL; });
-          if (real) {
+          if (real && entry->check_verified) {
             flight_recorder::record_started(entry->op.flight_id);
-            if (!entry->check_verified) speculative_starts_.fetch_add(1);
+          } else if (real) {
+            speculative_starts_.fetch_add(1);
           } else if (!entry->transfer_done) {
             mismatch_placeholders_.fetch_add(1);
           }
