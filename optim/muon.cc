@@ -18,6 +18,7 @@
 #include "fsdp_cpp/comm/agreement.h"
 #include "fsdp_cpp/comm/init.h"
 #include "fsdp_cpp/composable/fully_shard.h"
+#include "fsdp_cpp/composable/tensor_placement.h"
 
 namespace fsdp::optim {
 
@@ -112,6 +113,11 @@ std::unordered_map<const void*, LocalPlace> local_places(torch::nn::Module& mode
     shard.global_shape = item.value().sizes().vec();
     shard.flat_offset = 0;
     shard.write = rank == 0;  // every rank holds it whole: one sends it
+    if (auto placement = tensor_placement(item.value()); placement && placement->sharded()) {
+      // A tensor-parallel piece without fully_shard: refused like one with it (LocalShard::piece).
+      shard.global_shape = placement->global_shape;
+      shard.piece = TensorPiece{placement->dim, {}};
+    }
     places.emplace(key, LocalPlace{item.key(), std::move(shard)});
   }
   return places;
