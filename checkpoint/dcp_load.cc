@@ -860,6 +860,14 @@ void verify_spans(const CheckpointIndex& index, const std::vector<Target>& targe
 // made one (see the note above), otherwise with pread; straight into contiguous CPU destinations of
 // the file's dtype, otherwise through one staging buffer of at most `max_staging_bytes`. Every error
 // names `api`, the file and the key being copied.
+// [Note: copy in reverse] The verification reads every byte a rank needs in file order just before
+// the agreement, and the copy reads them all again. Whatever part of them the CPU caches still hold
+// when the copy starts is the part read last (a cache evicts the least recently used lines first),
+// so the copy from the mappings runs in the reverse order, last file and last window first: it
+// reads the recently verified windows from the caches before they are evicted by the rest of the
+// copy, where copying in file order would evict each window just before reaching it once the
+// bytes exceed the cache (the copy's streamed stores do not allocate cache lines). Each window is
+// still copied forward.
 void execute_reads(const char* api, const CheckpointIndex& index, const std::vector<Target>& targets,
                    const FileMappings& mappings, int64_t max_staging_bytes) {
   // A file that shrank since it was mapped would fail in the copy: refuse it before copying.

@@ -9,6 +9,7 @@
 // local shards taken before the load.
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -269,4 +270,74 @@ FSDP_RANKS_TEST_CASE("large values through the mapping; a corruption verified la
   CHECK(v0_storage[0].item<float>() == -1.0f);  // the element before the destination
   CHECK(wanted[0].second.local.equal(value(0)));
   CHECK(wanted[1].second.local.equal(value(1).to(at::kDouble)));
+}
+
+// The load's threads ([Note: load threads] in checkpoint/dcp_load.cc), forced through
+// FSDP_DCP_LOAD_THREADS: 1 (the caller alone), 2, 3 and 8 threads load the same values (every rank
+// reads every rank's file: values of a few MiB in 64 KiB checksum blocks and 4 MiB copy windows,
+// one key converted through a small staging buffer on the caller's thread). With two corrupted
+// blocks in the last file, block 3 of v0 and the last byte of the file, every thread count reports
+// block 3 (the first corruption in file order, where one thread stops) and changes nothing.
+FSDP_RANKS_TEST_CASE("any number of load threads: the same values, the first corruption in file order",
+                     "[dcp][verify][threads]") {
+  const int W = world_size();
+  const std::string dir = test_dir("threads");
+  const int64_t n = (int64_t{3} << 20) * W + 29;  // floats: 12 MiB per rank's piece, 3 copy windows
+  const auto value = [&](int k) { return at::arange(n, at::kFloat).mul_(0.5).sub_(k); };
+  const int64_t begin = n * rank() / W;
+  const int64_t end = n * (rank() + 1) / W;
+  fsdp::ShardedStateDict saved;
+  for (int k = 0; k < 2; ++k) {
+    saved.emplace_back("v" + std::to_string(k),
+                       fsdp::LocalShard{value(k).slice(0, begin, end).clone(), {n}, begin, true});
+  }
+  fsdp::dcp::save_state(dir, saved, {}, fsdp::dcp::SaveOptions().communicator(fresh_comm()).crc_block_bytes(64 << 10));
+  const auto options =
+      fsdp::dcp::LoadOptions().communicator(fresh_comm()).convert_dtype(true).max_staging_bytes(1 << 16);
+  // Block 3 of v0 in the last rank's file, and that file's last byte.
+  const Victim last = last_needed_byte(dir, W - 1);
+  Victim early = last;
+  {
+    fsdp::storage::SafetensorsFile file(last.path);
+    for (const auto& e : file.header().entries) {
+      if (e.key == "v0") early.byte = file.header().data_start + e.data_begin + 3 * (64 << 10) + 5;
+    }
+    early.key = "v0";
+  }
+  REQUIRE(early.byte < last.byte);
+  for (const char* threads : {"1", "2", "3", "8"}) {
+    DYNAMIC_SECTION(threads << " threads") {
+      REQUIRE(::setenv("FSDP_DCP_LOAD_THREADS", threads, 1) == 0);
+      fsdp::ShardedStateDict wanted;
+      wanted.emplace_back("v0", fsdp::LocalShard{at::full({n}, -1.0f), {n}, 0, false});
+      wanted.emplace_back("v1", fsdp::LocalShard{at::full({n}, -1.0, at::kDouble), {n}, 0, false});
+      world().barrier();
+      if (rank() == W - 1) {
+        flip(early);
+        flip(last);
+      }
+      world().barrier();
+      std::string message;
+      try {
+        fsdp::dcp::load_state(dir, wanted, nullptr, options);
+      } catch (const c10::Error& e) {
+        message = e.what_without_backtrace();
+      }
+      INFO(message);
+      CHECK_THAT(message, Contains("failed on rank 0 of " + std::to_string(W)) && Contains(last.file) &&
+                              Contains("checksum mismatch in entry 'v0' block 3 ") && Contains("nothing was loaded"));
+      CHECK(wanted[0].second.local.eq(-1.0f).all().item<bool>());
+      CHECK(wanted[1].second.local.eq(-1.0).all().item<bool>());
+      world().barrier();
+      if (rank() == W - 1) {
+        flip(early);  // restored
+        flip(last);
+      }
+      world().barrier();
+      CHECK(fsdp::dcp::load_state(dir, wanted, nullptr, options) == 2);
+      CHECK(wanted[0].second.local.equal(value(0)));
+      CHECK(wanted[1].second.local.equal(value(1).to(at::kDouble)));
+      REQUIRE(::unsetenv("FSDP_DCP_LOAD_THREADS") == 0);
+    }
+  }
 }
