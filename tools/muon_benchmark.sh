@@ -61,15 +61,20 @@ bin="$(bazel info -c opt --symlink_prefix=/ bazel-bin 2>/dev/null)/tools/bench/m
 
 log "load average before: $(cut -d' ' -f1-3 /proc/loadavg) ($(nproc) cores)"
 TMPDIR="$work" mpirun --oversubscribe --bind-to none -np 2 -x OMP_NUM_THREADS -x MKL_NUM_THREADS \
-  "$bin" --d-model "$d" --layers "$layers" --steps "$steps" --warmup "$warmup" --out "$work/cpp.json" >&2
+  "$bin" --d-model "$d" --layers "$layers" --steps "$steps" --warmup "$warmup" --out "$work/cpp.json" \
+  --ways owners,every_rank >&2
+# The unsharded C++ step in a process of its own (no peer polling in a barrier beside it).
+TMPDIR="$work" "$bin" --d-model "$d" --layers "$layers" --steps "$steps" --warmup "$warmup" --out "$work/local.json" \
+  --ways local >&2
 "$py" tools/bench/muon_bench_torch.py --d-model "$d" --layers "$layers" --steps "$steps" --warmup "$warmup" \
   --out "$work/torch.json" >&2
 log "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
 
-"$py" - "$work/cpp.json" "$work/torch.json" "$out" <<'PY'
+"$py" - "$work/cpp.json" "$work/torch.json" "$out" "$work/local.json" <<'PY'
 import json, sys
 cpp = json.load(open(sys.argv[1]))
 torch_side = json.load(open(sys.argv[2]))
+cpp["ways"].update(json.load(open(sys.argv[4]))["ways"])
 ways = cpp["ways"]
 owners, every, local = ways["owners"]["step_ms"], ways["every_rank"]["step_ms"], ways["local"]["step_ms"]
 result = {

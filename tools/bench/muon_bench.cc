@@ -6,11 +6,13 @@
 // gradients written into the shards, timed over --steps steps after --warmup, in three ways:
 //   owners:     fsdp::optim::Muon (each matrix orthogonalized by one owner rank, 3 collectives);
 //   every_rank: every rank assembles and orthogonalizes every matrix (MuonDistribution::kEveryRank);
-//   local:      on rank 0 alone, Muon on an unsharded copy (the C++ side of torch's unsharded step).
+//   local:      Muon on an unsharded copy, on one rank alone (run it in a launch of its own: the other
+//               ranks would wait in a busy-polling barrier meanwhile and take a core from it).
 // Prints one line per way (median step ms, the slowest rank's; exchange and Newton-Schulz ms; bytes
 // sent per rank) and, with --out, JSON.
 //
 //   mpirun -np 2 muon_bench [--d-model 256] [--layers 2] [--steps 5] [--warmup 1] [--out PATH.json]
+//                           [--ways owners,every_rank,local]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -81,7 +83,7 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   int64_t d = 256, layers = 2;
   int steps = 5, warmup = 1;
-  std::string out;
+  std::string out, which = "owners,every_rank,local";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -96,6 +98,7 @@ int main(int argc, char** argv) {
     else if (a == "--steps") steps = std::stoi(next());
     else if (a == "--warmup") warmup = std::stoi(next());
     else if (a == "--out") out = next();
+    else if (a == "--ways") which = next();
     else {
       std::fprintf(stderr, "usage: mpirun -np 2 muon_bench [--d-model N] [--layers N] [--steps N] [--warmup N] [--out PATH]\n");
       return 2;
@@ -135,16 +138,20 @@ int main(int argc, char** argv) {
                        muon.last_step().collectives});
   };
 
+  which = "," + which + ",";
+  auto wanted = [&](const char* name) { return which.find("," + std::string(name) + ",") != std::string::npos; };
   for (auto distribution : {fsdp::optim::MuonDistribution::kOwners, fsdp::optim::MuonDistribution::kEveryRank}) {
+    const bool owners = distribution == fsdp::optim::MuonDistribution::kOwners;
+    if (!wanted(owners ? "owners" : "every_rank")) continue;
     torch::manual_seed(0);
     Stack stack(d, layers);
     for (const auto& b : *stack->blocks) fsdp::fully_shard(*b.ptr());
     fsdp::fully_shard(*stack);
     set_gradients(stack, rank);
     fsdp::optim::Muon muon(*stack, stack->parameters(), fsdp::optim::MuonOptions(0.02), comm, distribution);
-    time_steps(muon, distribution == fsdp::optim::MuonDistribution::kOwners ? "owners" : "every_rank", true);
+    time_steps(muon, owners ? "owners" : "every_rank", true);
   }
-  if (rank == 0) {
+  if (rank == 0 && wanted("local")) {
     torch::manual_seed(0);
     Stack stack(d, layers);
     set_gradients(stack, 0);
