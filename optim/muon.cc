@@ -508,6 +508,12 @@ at::Tensor Muon::step(LossClosure closure) {
   // 1. Which matrices have a gradient here, and what is wrong, agreed by every rank.
   std::vector<uint8_t> has_grad(count, 0);
   std::string error;
+  size_t held = 0;
+  for (const auto& group : param_groups_) held += group.params().size();
+  if (held != count) {
+    error = "the param groups hold " + std::to_string(held) + " parameters where the optimizer was built with " +
+            std::to_string(count) + ": Muon places its matrices at construction; build a new one";
+  }
   for (size_t m = 0; m < count && error.empty(); ++m) {
     const at::Tensor& p = param_of(m);
     const at::Tensor& grad = p.grad();
@@ -604,7 +610,6 @@ MuonStateDict Muon::state_dict(bool rank0_only) {
   at::NoGradGuard no_grad;
   const size_t count = matrices_.size();
   const int world = comm_ ? comm_->size() : 1;
-  const int rank = comm_ ? comm_->rank() : 0;
   std::vector<uint8_t> has_state(count, 0);
   for (size_t m = 0; m < count; ++m) has_state[m] = state_of(m) != nullptr ? 1 : 0;
   const auto flags = agree(has_state, "", std::string(kApi) + "::state_dict");
@@ -616,9 +621,12 @@ MuonStateDict Muon::state_dict(bool rank0_only) {
     if (!any) continue;
     which.push_back(m);
     if (auto* s = state_of(m)) slices[m] = s->momentum_buffer();
-    TORCH_CHECK(!holdings_[m][static_cast<size_t>(rank)].write || slices[m].defined(), kApi,
-                "::state_dict: rank ", rank, " has no momentum buffer for '", matrices_[m].fqn,
-                "' which other ranks have");
+    // Decided from the agreed flags, so every rank refuses alike.
+    for (int r = 0; r < world; ++r) {
+      TORCH_CHECK(!holdings_[m][static_cast<size_t>(r)].write || flags[static_cast<size_t>(r) * (count + 1) + m] != 0,
+                  kApi, "::state_dict: rank ", r, " has no momentum buffer for '", matrices_[m].fqn,
+                  "' while other ranks have one");
+    }
   }
   // One exchange per dtype (matrices of one dtype together).
   std::vector<at::Tensor> gathered(count);
