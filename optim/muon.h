@@ -19,8 +19,9 @@
 //   1. local: momentum and the update of this rank's slice of every matrix, cast to bfloat16
 //      (Newton-Schulz's first op, so sending bfloat16 changes no value);
 //   2. one all-gather of a byte per matrix and rank: which matrices have a gradient on this rank,
-//      and whether this rank found an error (then the messages follow, comm/agreement.h) (a gradient of the wrong size, a parameter left unsharded), so
-//      every rank steps the same matrices or every rank refuses with the same error;
+//      and whether this rank found an error (a gradient of the wrong size, a parameter left
+//      unsharded; the messages then follow, comm/agreement.h), so every rank steps the same
+//      matrices or every rank refuses with the same error;
 //   3. one all-to-all (Communicator::all_to_all with splits): each rank sends its slice of every
 //      matrix to the matrix's owner, which assembles the matrices it owns;
 //   4. Newton-Schulz on the owned matrices only;
