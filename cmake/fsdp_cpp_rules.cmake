@@ -147,6 +147,24 @@ function(_fsdp_cpp_common target)
   target_compile_features(${target} PUBLIC cxx_std_20)
   target_compile_options(${target} PRIVATE ${FSDP_CPP_WARNINGS})
   set_target_properties(${target} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+  # A target that lists a LibTorch target among its deps compiles with LibTorch's headers
+  # precompiled once (fsdp_cpp_torch_pch, as Bazel's tools/build_defs.bzl does; tools/pch/pch.bzl
+  # says why): the caller's r_DEPS are the target's Bazel deps.
+  if(TARGET fsdp_cpp_torch_pch AND r_DEPS MATCHES "(^|;)@libtorch//")
+    target_precompile_headers(${target} REUSE_FROM fsdp_cpp_torch_pch)
+    target_compile_options(${target} PRIVATE -Winvalid-pch)
+  endif()
+endfunction()
+
+# The target whose precompiled header the others reuse: LibTorch's headers (tools/pch/) with the
+# options every target compiles with (C++20, the warnings, PIC, LibTorch's definitions).
+function(fsdp_cpp_define_torch_pch)
+  add_library(fsdp_cpp_torch_pch OBJECT "${FSDP_CPP_SOURCE_DIR}/tools/pch/torch_pch.cc")
+  target_compile_features(fsdp_cpp_torch_pch PUBLIC cxx_std_20)
+  target_compile_options(fsdp_cpp_torch_pch PRIVATE ${FSDP_CPP_WARNINGS})
+  set_target_properties(fsdp_cpp_torch_pch PROPERTIES POSITION_INDEPENDENT_CODE ON)
+  target_link_libraries(fsdp_cpp_torch_pch PRIVATE fsdp_cpp_ext::torch_cpu)
+  target_precompile_headers(fsdp_cpp_torch_pch PRIVATE "${FSDP_CPP_SOURCE_DIR}/tools/pch/fsdp_cpp_torch_pch.h")
 endfunction()
 
 function(_fsdp_cpp_define_library label)

@@ -28,6 +28,38 @@ FSDP_COPTS = FSDP_CXXOPTS + [
     "-Wno-missing-field-initializers",
 ]
 
+# The options the precompiled header (//tools/pch:torch_pch) is built with. The configuration's own
+# flags (compilation mode, --copt, sanitizers, -fPIC) are added by the rule, as for any compile.
+FSDP_PCH_COPTS = FSDP_COPTS
+
+# What an fsdp_cc_* target that uses LibTorch adds: the precompiled LibTorch headers forced in
+# first, and a warning whenever GCC cannot use them (tools/pch/pch.bzl). `pch` defaults to whether
+# the target lists a @libtorch target among its deps: a target that does not use LibTorch keeps its
+# translation units as they are (LibTorch's headers would change them: c10 declares an operator<<
+# for every std::vector, which Catch2 then picks to print vectors of types without one).
+_PCH_COPTS = ["-Winvalid-pch", "-include", "fsdp_cpp_torch_pch.h"]
+_PCH_DEPS = [Label("//tools/pch:torch_pch")]
+
+def _uses_libtorch(deps):
+    for dep in deps:
+        if type(dep) == "string" and dep.startswith("@libtorch//"):
+            return True
+    return False
+
+def _pch(pch, copts, deps):
+    if pch == None:
+        pch = _uses_libtorch(deps)
+    if not pch:
+        return FSDP_COPTS + copts, deps
+
+    # `--define=fsdp_pch=off` compiles every file as written (a check that each includes what it
+    # uses, or a compile-time comparison).
+    off = str(Label("//tools/pch:off"))
+    return (
+        FSDP_COPTS + select({off: [], "//conditions:default": _PCH_COPTS}) + copts,
+        deps + select({off: [], "//conditions:default": _PCH_DEPS}),
+    )
+
 # Every header of the project is included as "fsdp_cpp/<path in this repository>" (e.g.
 # "fsdp_cpp/composable/fully_shard.h"), inside the project as in the programs that use it. The
 # prefix keeps the project's generic top-level folders (comm/, init/, storage/, ...) from colliding
@@ -37,20 +69,24 @@ FSDP_COPTS = FSDP_CXXOPTS + [
 # header is reachable only through a target that declares it.
 FSDP_INCLUDE_PREFIX = "fsdp_cpp"
 
-def fsdp_cc_library(name, copts = [], **kwargs):
+def fsdp_cc_library(name, copts = [], deps = [], pch = None, **kwargs):
+    copts, deps = _pch(pch, copts, deps)
+
     # Bazel replaces the package path by include_prefix (the package is stripped when only the
     # prefix is set), so the prefix names the package too.
     native.cc_library(
         name = name,
-        copts = FSDP_COPTS + copts,
+        copts = copts,
+        deps = deps,
         include_prefix = FSDP_INCLUDE_PREFIX + "/" + native.package_name(),
         **kwargs
     )
 
-def fsdp_cc_binary(name, copts = [], **kwargs):
-    native.cc_binary(name = name, copts = FSDP_COPTS + copts, **kwargs)
+def fsdp_cc_binary(name, copts = [], deps = [], pch = None, **kwargs):
+    copts, deps = _pch(pch, copts, deps)
+    native.cc_binary(name = name, copts = copts, deps = deps, **kwargs)
 
-def fsdp_cc_test(name, copts = [], deps = [], size = "small", timeout = "moderate", **kwargs):
+def fsdp_cc_test(name, copts = [], deps = [], size = "small", timeout = "moderate", pch = None, **kwargs):
     """A single-process Catch2 test (main in tests/testing/catch_main.cc: JUnit report for Bazel)."""
     native.cc_test(
         name = name,
@@ -59,8 +95,8 @@ def fsdp_cc_test(name, copts = [], deps = [], size = "small", timeout = "moderat
         # `bazel test //...` compiles beside it on a 2-core machine a sub-second test overran the
         # 60 s of a small test once.
         timeout = timeout,
-        copts = FSDP_COPTS + copts,
+        copts = _pch(pch, copts, deps)[0],
         # Labels, not strings: they name this repository's targets whichever workspace calls the macro.
-        deps = deps + [Label("//tests/testing:catch_main"), Label("//third_party/catch2")],
+        deps = _pch(pch, copts, deps)[1] + [Label("//tests/testing:catch_main"), Label("//third_party/catch2")],
         **kwargs
     )
