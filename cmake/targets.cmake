@@ -773,6 +773,7 @@ fsdp_cpp_cc_binary(//examples:train_gpt
     //examples:gpt_model
     //examples:gpt_tensor_parallel
     //init:meta_init
+    //optim:flat_optimizers
     @libtorch//:torch_cpu)
 fsdp_cpp_cc_binary(//examples:train_gpt_pipeline
   PACKAGE examples
@@ -1266,6 +1267,22 @@ fsdp_cpp_cc_library(//optim:flat_optimizers
   DEPS
     //optim:flat_runs
     @libtorch//:torch_cpu)
+fsdp_cpp_cc_library(//optim:muon
+  PACKAGE optim
+  NAME muon
+  SRCS
+    muon.cc
+  HDRS
+    muon.h
+  DEPS
+    //checkpoint:local_shard
+    //checkpoint:state_dict
+    //comm:agreement
+    //comm:communicator
+    //comm:init
+    //composable:fully_shard
+    //composable:tensor_placement
+    @libtorch//:torch_cpu)
 
 # ---- //parallel (parallel/BUILD.bazel)
 fsdp_cpp_cc_library(//parallel:parallel_dims
@@ -1668,6 +1685,18 @@ fsdp_cpp_mpi_test(//tests/comm:mpi_mismatch_test
     //comm:communicator
     //comm:issuing_api
     //comm:mpi_backend
+    @libtorch//:torch_cpu
+  WORLD_SIZES 2,3,4)
+fsdp_cpp_mpi_test(//tests/comm:mpi_size_check_test
+  PACKAGE tests/comm
+  NAME mpi_size_check_test
+  SRCS
+    mpi_size_check_test.cc
+  DEPS
+    //comm:communicator
+    //comm:issuing_api
+    //comm:mpi_backend
+    //comm:mpi_internal
     @libtorch//:torch_cpu
   WORLD_SIZES 2,3,4)
 fsdp_cpp_mpi_test(//tests/comm:agreement_test
@@ -2306,6 +2335,19 @@ fsdp_cpp_mpi_test(//tests/composable:quantized_comm_test
     //tests/composable:test_models
     @libtorch//:torch_cpu
   WORLD_SIZES 1,2,3,4)
+fsdp_cpp_mpi_test(//tests/composable:quantized_comm_bias_test
+  PACKAGE tests/composable
+  NAME quantized_comm_bias_test
+  SRCS
+    quantized_comm_bias_test.cc
+  DEPS
+    //comm:communicator
+    //composable:fully_shard
+    //composable:summon_full_params
+    //contract:hookable_module_holder
+    //fsdp:comm_codec
+    @libtorch//:torch_cpu
+  WORLD_SIZES 1,2,3)
 fsdp_cpp_cc_binary(//tests/composable:quantized_comm_example
   PACKAGE tests/composable
   NAME quantized_comm_example
@@ -2857,6 +2899,16 @@ fsdp_cpp_cc_test(//tests/optim:flat_optimizers_test
     //optim:flat_optimizers
     //tests/testing:errors
     @libtorch//:torch_cpu)
+fsdp_cpp_cc_test(//tests/optim:flat_optimizers_bf16_test
+  PACKAGE tests/optim
+  NAME flat_optimizers_bf16_test
+  SRCS
+    flat_optimizers_bf16_test.cc
+  DEPS
+    //optim:flat_optimizers
+    //tests/testing:errors
+    //tools/bench:counting_allocator
+    @libtorch//:torch_cpu)
 fsdp_cpp_mpi_test(//tests/optim:flat_optimizers_fsdp_test
   PACKAGE tests/optim
   NAME flat_optimizers_fsdp_test
@@ -2876,6 +2928,22 @@ fsdp_cpp_mpi_test(//tests/optim:flat_optimizers_fsdp_test
     //tests/composable:test_models
     @libtorch//:torch_cpu
   WORLD_SIZES 1,2,3,4)
+fsdp_cpp_mpi_test(//tests/optim:flat_optimizers_bf16_fsdp_test
+  PACKAGE tests/optim
+  NAME flat_optimizers_bf16_fsdp_test
+  SRCS
+    flat_optimizers_bf16_fsdp_test.cc
+  DEPS
+    //checkpoint:distributed_checkpoint
+    //checkpoint:optimizer_state_dict
+    //checkpoint:state_dict
+    //composable:fully_shard
+    //optim:flat_optimizers
+    //tests/composable:parity
+    //tests/composable:test_models
+    //tools/bench:counting_allocator
+    @libtorch//:torch_cpu
+  WORLD_SIZES 1,2,3)
 fsdp_cpp_cc_binary(//tests/optim:flat_optimizer_example
   PACKAGE tests/optim
   NAME flat_optimizer_example
@@ -2889,6 +2957,36 @@ fsdp_cpp_cc_binary(//tests/optim:flat_optimizer_example
     //optim:flat_optimizers
     @libtorch//:torch_cpu
   TESTONLY)
+fsdp_cpp_cc_binary(//tests/optim:muon_torch_main
+  PACKAGE tests/optim
+  NAME muon_torch_main
+  SRCS
+    muon_torch_main.cc
+  DEPS
+    //checkpoint:state_dict
+    //comm:init
+    //composable:fully_shard
+    //contract:hookable_modules
+    //optim:flat_optimizers
+    //optim:muon
+    //storage:safetensors
+    @libtorch//:torch_cpu
+  TESTONLY)
+fsdp_cpp_mpi_test(//tests/optim:muon_test
+  PACKAGE tests/optim
+  NAME muon_test
+  SRCS
+    muon_test.cc
+  DEPS
+    //checkpoint:distributed_checkpoint
+    //checkpoint:state_dict
+    //comm:device_mesh
+    //composable:fully_shard
+    //composable:tensor_parallel
+    //contract:hookable_modules
+    //optim:muon
+    @libtorch//:torch_cpu
+  WORLD_SIZES 1,2,3,4)
 
 # ---- //tests/parallel (tests/parallel/BUILD.bazel)
 fsdp_cpp_mpi_test(//tests/parallel:composition_test
@@ -3384,6 +3482,18 @@ fsdp_cpp_cc_binary(//tools/bench:ring_attention_benchmark
     //comm:init
     //composable:context_parallel
     //tools/bench:counting_allocator
+    @libtorch//:torch_cpu)
+fsdp_cpp_cc_binary(//tools/bench:muon_bench
+  PACKAGE tools/bench
+  NAME muon_bench
+  SRCS
+    muon_bench.cc
+  DEPS
+    //comm:init
+    //composable:fully_shard
+    //contract:hookable_module_list
+    //contract:hookable_modules
+    //optim:muon
     @libtorch//:torch_cpu)
 
 # ---- //tools/fuzz (tools/fuzz/BUILD.bazel)
