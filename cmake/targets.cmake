@@ -2890,6 +2890,14 @@ fsdp_cpp_mpi_test(//tests/models:parallel_resume_test
   WORLD_SIZES 2,3,4)
 
 # ---- //tests/optim (tests/optim/BUILD.bazel)
+fsdp_cpp_cc_library(//tests/optim:flat_pair
+  PACKAGE tests/optim
+  NAME flat_pair
+  HDRS
+    flat_pair.h
+  DEPS
+    @libtorch//:torch_cpu
+  TESTONLY)
 fsdp_cpp_cc_test(//tests/optim:flat_optimizers_test
   PACKAGE tests/optim
   NAME flat_optimizers_test
@@ -2897,6 +2905,7 @@ fsdp_cpp_cc_test(//tests/optim:flat_optimizers_test
     flat_optimizers_test.cc
   DEPS
     //optim:flat_optimizers
+    //tests/optim:flat_pair
     //tests/testing:errors
     @libtorch//:torch_cpu)
 fsdp_cpp_cc_test(//tests/optim:flat_optimizers_bf16_test
@@ -2906,6 +2915,7 @@ fsdp_cpp_cc_test(//tests/optim:flat_optimizers_bf16_test
     flat_optimizers_bf16_test.cc
   DEPS
     //optim:flat_optimizers
+    //tests/optim:flat_pair
     //tests/testing:errors
     //tools/bench:counting_allocator
     @libtorch//:torch_cpu)
