@@ -131,7 +131,6 @@ void add_reduction_fields(Fingerprint& f, const std::vector<std::unique_ptr<Flat
       continue;
     }
     if (handle->reduces_encoded()) {  // [Note: quantized gradient reduction] in fsdp/flat_param_grad.h
-      const int64_t shard_numel = handle->layout().shard_numel();
       reduction << "all-to-all of " << handle->layout().world_size << " x "
                 << handle->encoded_reduce_bytes() << " bytes encoded by "
                 << handle->reduce_codec()->name() << " from " << handle->layout().padded_numel << " elements of "
