@@ -12,6 +12,10 @@
       AutoModelForCausalLM.from_pretrained, and checks its parameters and logits against the
       transformers-trained ones (and the C++ side's logits when given). Exit 1 on a mismatch.
 
+  hf_reference.py batch LIST
+      the commands of LIST (one per line, this script's arguments) in one process
+      (tests/models/reference_batch.py).
+
 Nothing is downloaded: the configs are built here.
 """
 import argparse
@@ -142,9 +146,19 @@ def main():
     c.add_argument("out")
     c.add_argument("exported")
     c.add_argument("cpp_logits", nargs="?")
+    b = sub.add_parser("batch", help="several commands in one process (tests/models/reference_batch.py)")
+    b.add_argument("list")
+
+    def dispatch(args):
+        os.makedirs(args.out, exist_ok=True)
+        make(args) if args.cmd == "make" else check(args)
+
     args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    make(args) if args.cmd == "make" else check(args)
+    if args.cmd == "batch":
+        import reference_batch
+        reference_batch.run(args.list, lambda argv: dispatch(p.parse_args(argv)))
+    else:
+        dispatch(args)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,17 @@
 set -u
 main="$1"; python="$2"; reference="$3"
 source "$4"
+# The reference's commands run in batches, one Python process each (batched_steps.sh): the three
+# models first, every export check after the C++ layouts.
+source "$(dirname "$0")/batched_steps.sh"
 
 untied="$work/untied"; tied="$work/tied"; long="$work/long"
-step "transformers: an untied Llama with llama3 rope scaling, GQA 4:2, vocabulary 101" \
-  "$python" "$reference" make "$untied" --model llama --rope llama3
-step "transformers: a tied Llama" "$python" "$reference" make "$tied" --model llama --tied
-step "transformers: the untied Llama on 24-token sequences (context parallel: 24 splits into 2 x cp pieces at cp 2, 3, 4)" \
-  "$python" "$reference" make "$long" --model llama --rope llama3 --time 24
+queue "transformers: an untied Llama with llama3 rope scaling, GQA 4:2, vocabulary 101" \
+  make "$untied" --model llama --rope llama3
+queue "transformers: a tied Llama" make "$tied" --model llama --tied
+queue "transformers: the untied Llama on 24-token sequences (context parallel: 24 splits into 2 x cp pieces at cp 2, 3, 4)" \
+  make "$long" --model llama --rope llama3 --time 24
+run_queue "$python" "$reference"
 
 # layout: ranks dp_replicate dp_shard tp pp microbatches loss_parallel vocab_multiple [ac] [sp]
 run_layout() {
@@ -24,13 +28,8 @@ run_layout() {
   mkdir -p "$out"
   step "$(basename "$dir") at $name: loaded, one step, 3 AdamW steps equal to transformers" \
     mpi "$n" "$main" "$dir/hf" "$dir/reference.safetensors" "$out" "${@:2}" &&
-  step "$(basename "$dir") at $name: its export loads in transformers, equal to transformers' training" \
-    check_export "$dir" "$out"
-}
-check_export() {
-  local extra=()
-  [ -f "$2/logits.safetensors" ] && extra=("$2/logits.safetensors")
-  "$python" "$reference" check "$1" "$2/export" "${extra[@]}"
+  queue "$(basename "$dir") at $name: its export loads in transformers, equal to transformers' training" \
+    check "$dir" "$out/export" $( [ -f "$out/logits.safetensors" ] && echo "$out/logits.safetensors")
 }
 run_layout "$untied" "W=1"                     1 1 1 1 1 1 1 1
 run_layout "$untied" "dp=2 microbatches=2"     2 1 2 1 1 2 1 1
@@ -56,6 +55,7 @@ run_layout "$long"   "cp=2 dp=2"               4 1 2 1 1 1 1 1 cp=2
 run_layout "$long"   "cp=2 tp=2 sp"            4 1 1 2 1 1 1 2 sp cp=2
 run_layout "$long"   "cp=2 pp=2 checkpointed"  4 1 1 1 2 2 1 1 ac cp=2
 run_layout "$long"   "cp=2 HSDP 2x1"           4 2 1 1 1 1 1 1 cp=2
+run_queue "$python" "$reference"
 
 refused() {
   local log="$work/refused.log"

@@ -15,12 +15,16 @@
 set -u
 main="$1"; python="$2"; reference="$3"
 source "$4"
+# The reference's commands run in batches, one Python process each (batched_steps.sh): the two
+# models first, every export check after the C++ layouts.
+source "$(dirname "$0")/batched_steps.sh"
 
 qwen3="$work/qwen3"; deepseek="$work/deepseek"
-step "transformers: a Qwen3-MoE (8 experts, top-2, norm_topk_prob, 4 layers, hidden 32, vocabulary 101)" \
-  "$python" "$reference" make "$qwen3" --variant qwen3
-step "transformers: the same with DeepseekV3MoE blocks (sigmoid, bias, 4 groups / 2, scaling 2.5, shared expert)" \
-  "$python" "$reference" make "$deepseek" --variant deepseek
+queue "transformers: a Qwen3-MoE (8 experts, top-2, norm_topk_prob, 4 layers, hidden 32, vocabulary 101)" \
+  make "$qwen3" --variant qwen3
+queue "transformers: the same with DeepseekV3MoE blocks (sigmoid, bias, 4 groups / 2, scaling 2.5, shared expert)" \
+  make "$deepseek" --variant deepseek
+run_queue "$python" "$reference"
 
 # layout: ranks dp_replicate dp_shard tp pp microbatches loss_parallel vocab_multiple [flags]
 # flags: "empty": some rank must have called some expert with no row; "ac": activation
@@ -44,8 +48,8 @@ run_layout() {
     fi
   }
   step "$(basename "$dir") at $name: loaded, routing, one step, 3 AdamW steps equal to transformers" check_main "$@" &&
-  step "$(basename "$dir") at $name: its export loads in transformers, equal to transformers' training" \
-    "$python" "$reference" check "$dir" "$out/export" "$k" $( [ -f "$out/logits.safetensors" ] && echo "$out/logits.safetensors")
+  queue "$(basename "$dir") at $name: its export loads in transformers, equal to transformers' training" \
+    check "$dir" "$out/export" "$k" $( [ -f "$out/logits.safetensors" ] && echo "$out/logits.safetensors")
 }
 run_layout "$qwen3"    "W=1"                  1 1 1 1 1 1 1 1
 run_layout "$qwen3"    "dp=2"                 2 1 2 1 1 1 1 1 empty
@@ -63,6 +67,7 @@ run_layout "$deepseek" "dp=2 tp=2 ac"         4 1 2 2 1 1 1 2 empty ac
 run_layout "$deepseek" "pp=2 dp=2"            4 1 2 1 2 2 1 1 empty
 run_layout "$deepseek" "ep=2 tp=2 ac"         4 1 2 2 1 1 1 2 empty ac ep=2
 run_layout "$deepseek" "ep=2 pp=2"            4 1 2 1 2 2 1 1 empty ep=2
+run_queue "$python" "$reference"
 
 refused() {
   local log="$work/refused.log"
