@@ -7,7 +7,8 @@
 # training and for fully_shard against the ZeRO-3 expectation, and the steady state), and bytes
 # communicated per step, each against its formula. Prints the tables, writes JSON and renders a PNG
 # chart (tools/bench/README.md says what each figure measures), the checkpoint benchmark's summary
-# (tools/checkpoint_benchmark.sh) before them, and the targets (checkpoint load rows included) last.
+# (tools/checkpoint_benchmark.sh) and Muon's step times (tools/muon_benchmark.sh) before them, and
+# the targets (checkpoint load, Muon and bfloat16-moment rows included) last.
 #
 #   tools/benchmark.sh [--out PATH.json] [--quick]
 #
@@ -144,8 +145,16 @@ fi
 log "replicate vs NO_SHARD: tools/replicate_benchmark.sh -> $outdir/replicate.txt"
 tools/replicate_benchmark.sh --steps "$([ "$quick" = 1 ] && echo 8 || echo 30)" | tee "$outdir/replicate.txt"
 
-# The tables and the targets last (the checkpoint rows from its summary).
-"$py" tools/bench/report.py --dir "$outdir" --out "$out" --png "$png" --checkpoint "$outdir/checkpoint.txt"
+# fsdp::optim::Muon against every rank orthogonalizing everything and torch.optim.Muon (its own lines).
+log "Muon: tools/muon_benchmark.sh -> $outdir/muon.json"
+rm -f "$outdir/muon.json"
+if ! tools/muon_benchmark.sh --out "$outdir/muon.json" --steps "$([ "$quick" = 1 ] && echo 4 || echo 10)"; then
+  log "the Muon benchmark failed: its targets are reported as not run"
+fi
+
+# The tables and the targets last (the checkpoint and Muon rows from their summaries).
+"$py" tools/bench/report.py --dir "$outdir" --out "$out" --png "$png" --checkpoint "$outdir/checkpoint.txt" \
+  --muon "$outdir/muon.json"
 echo "== machine load during each run (figures of a BUSY run were taken beside other work) =="
 printf '%s' "$load_notes" | tee "$outdir/load.txt"
 if grep -q '^BUSY' "$outdir/load.txt"; then

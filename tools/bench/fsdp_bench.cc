@@ -15,7 +15,9 @@
 // counting CPU allocator (tools/bench/counting_allocator.h) and, on fresh copies of each variant
 // (local and fsdp, on every rank), measures the peak of live bytes over whole training steps
 // (forward, backward, optimizer step, zero_grad), the bytes of parameters, gradients and optimizer
-// state after the step, and the peak of the unsharded buffers (see bench_memory).
+// state after the step, and the peak of the unsharded buffers (see bench_memory); and the
+// optimizer state of fsdp::optim::AdamW with float32 and with bfloat16 moments against its formula
+// (bench_optimizer_states).
 // Rank 0 writes every rank's results to one JSON file.
 
 #include <algorithm>
@@ -198,7 +200,8 @@ int64_t cfg(const TensorMap& t, const std::string& name, int64_t i) {
 /// Builds `model` ("tiny" or "gpt") from the init file, sharded when `fsdp`, trained with
 /// fsdp::optim::AdamW when `flat_optimizer` (else torch::optim::AdamW).
 std::unique_ptr<Trainee> make_trainee(const std::string& model, bool fsdp, const TensorMap& t,
-                                      int rank, double lr, bool flat_optimizer = false) {
+                                      int rank, double lr, bool flat_optimizer = false,
+                                      at::ScalarType state_dtype = at::kFloat) {
   auto trainee = std::make_unique<Trainee>();
   trainee->variant = fsdp ? (flat_optimizer ? "fsdp_flat" : "fsdp") : (flat_optimizer ? "local_flat" : "local");
   if (model == "tiny") {
@@ -243,7 +246,8 @@ std::unique_ptr<Trainee> make_trainee(const std::string& model, bool fsdp, const
   }
   const auto options = torch::optim::AdamWOptions(lr).weight_decay(0.01);
   if (flat_optimizer) {
-    trainee->optim = std::make_unique<fsdp::optim::AdamW>(trainee->module->parameters(), options);
+    trainee->optim = std::make_unique<fsdp::optim::AdamW>(
+        trainee->module->parameters(), options, fsdp::optim::FlatAdamOptions().state_dtype(state_dtype));
   } else {
     trainee->optim = std::make_unique<torch::optim::AdamW>(trainee->module->parameters(), options);
   }
@@ -585,6 +589,46 @@ void bench_memory(JsonWriter& w, const std::string& model, bool fsdp, const Flag
   w.end_object();
 }
 
+/// fsdp::optim::AdamW's moments in float32 and in bfloat16 ([Note: bfloat16 moments], optim/adam.h)
+/// on the fully_shard model: the bytes its first step allocates (the optimizer state, counted by
+/// the allocator) against the formula 2 moments x (4 or 2) bytes x this rank's elements, and the
+/// bytes per parameter that shards, sharded gradients and state hold over the ranks (formula 16 and
+/// 12; the shards' padding adds a little). Without mixed precision: its bf16 parameter copies are
+/// transient, so the bytes held between steps are the same with it.
+void bench_optimizer_states(JsonWriter& w, const std::string& model, const Flags& f, const TensorMap& t,
+                            fsdp::comm::Communicator& comm) {
+  auto& alloc = fsdp::bench::CountingAllocator::install();
+  w.key(model).begin_object();
+  for (const bool low : {false, true}) {
+    auto tr = make_trainee(model, /*fsdp=*/true, t, comm.rank(), f.lr, /*flat_optimizer=*/true,
+                           low ? at::kBFloat16 : at::kFloat);
+    tr->optim->zero_grad();
+    {
+      at::Tensor loss = tr->loss(0);
+      loss.backward();
+    }
+    int64_t elements = 0, shard_bytes = 0, grad_bytes = 0;
+    for (const auto& p : tr->module->parameters()) {
+      if (p.grad().defined()) elements += p.numel();  // this rank's elements of the parameter
+    }
+    for (const auto& u : tr->units) {
+      shard_bytes += u.sharded_param_bytes();
+      grad_bytes += u.sharded_grad_bytes();
+    }
+    alloc.mark();
+    tr->optim->step();
+    const int64_t state = alloc.current_since_mark();
+    at::Tensor sums = at::tensor(std::vector<int64_t>{elements, shard_bytes + grad_bytes + state}, at::kLong);
+    comm.all_reduce(sums, c10d::ReduceOp::SUM, "optimizer state bytes").wait();
+    w.key(low ? "bf16" : "float32").begin_object();
+    w.member("elements", elements).member("state_bytes", state);
+    w.member("formula_bytes", (low ? 2 + 2 : 4 + 4) * elements);
+    w.member("held_bytes_over_ranks", sums[1].item<int64_t>()).member("elements_over_ranks", sums[0].item<int64_t>());
+    w.end_object();
+  }
+  w.end_object();
+}
+
 int run(const Flags& f) {
   at::set_num_threads(static_cast<int>(f.threads));
   if (!f.write_init.empty()) {
@@ -612,6 +656,9 @@ int run(const Flags& f) {
       bench_memory(w, model, true, f, tensors, comm);
       w.end_object();
     }
+    w.end_object();
+    w.key("optimizer_states").begin_object();
+    for (const auto& model : f.models) bench_optimizer_states(w, model, f, tensors, comm);
     w.end_object();
   }
   w.end_object();

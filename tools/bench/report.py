@@ -76,6 +76,10 @@ TINY_W2_STEP_TARGET_MS = 30.0  # the 100-unit model's step at W=2, ms
 WARM_LOAD_TARGET = 1.0        # fsdp::dcp warm load at least 1.0x Python DCP's (its faster reader)
 COLD_LOAD_TARGET = 0.90       # fsdp::dcp cold load at least 90% of dd's cold read
 LOSS_TOLERANCE = 1e-5         # first losses, this project vs PyTorch
+BF16_STATE_BYTES = 12.0       # shards + sharded gradients + bf16 moments per parameter (float32 moments: 16)
+BF16_STATE_SLACK = 0.01       # the shards' padding: at most 1% above
+MUON_TARGET = 1.0             # fsdp::optim::Muon's step no slower than every rank orthogonalizing everything,
+                              # and than torch.optim.Muon on the unsharded model
 IN_FLIGHT_LIMIT = 2           # the all-gather check's in-flight limit (the runtime's default)
 REDUCE_IN_FLIGHT = 2          # ZeRO-3 expectation: unsharded gradients of 2 units being reduced
 
@@ -256,6 +260,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--png", required=True)
     p.add_argument("--checkpoint", default=None)
+    p.add_argument("--muon", default=None, help="tools/muon_benchmark.sh's JSON (the Muon targets)")
     args = p.parse_args()
     d = args.dir
     cpp1, cpp2 = load(os.path.join(d, "cpp_w1.json")), load(os.path.join(d, "cpp_w2.json"))
@@ -708,6 +713,42 @@ def main():
                    f"all-gather {entry['all_gather']['measured_bytes']:.0f} B / "
                    f"{entry['all_gather']['formula_bytes']} B, reduce-scatter "
                    f"{entry['reduce_scatter']['measured_bytes']:.0f} B / {entry['reduce_scatter']['formula_bytes']} B")
+    # bf16 moments (fsdp_bench's optimizer_states): the allocator's count of the first step's state
+    # against 2 x 2 bytes per element, and shards + gradients + state per parameter over the ranks.
+    for model in ("gpt", "tiny"):
+        parts, ok = [], []
+        for world, run in ((1, cpp1), (2, cpp2)):
+            if run is None or "optimizer_states" not in run["ranks"][0]:
+                continue
+            per = {}
+            for kind in ("float32", "bf16"):
+                rs = [r["optimizer_states"][model][kind] for r in run["ranks"]]
+                per[kind] = (all(r["state_bytes"] == r["formula_bytes"] for r in rs),
+                             rs[0]["held_bytes_over_ranks"] / rs[0]["elements_over_ranks"])
+            ok.append(per["bf16"][0] and per["float32"][0] and
+                      BF16_STATE_BYTES <= per["bf16"][1] <= BF16_STATE_BYTES * (1 + BF16_STATE_SLACK))
+            parts.append(f"W={world}: {per['bf16'][1]:.3f} B/param with bf16 moments, {per['float32'][1]:.3f} with "
+                         f"float32; state = formula on every rank: {'yes' if per['bf16'][0] and per['float32'][0] else 'NO'}")
+        if parts:
+            results.setdefault("optimizer_states", {})[model] = parts
+            target(f"bf16 optimizer states: shards + gradients + moments 12 bytes per parameter (16 with float32), the "
+                   f"state's bytes by the allocator equal the formula ({model}, fsdp::optim::AdamW, W=1 / W=2)",
+                   all(ok), "; ".join(parts))
+    if args.muon:
+        if os.path.exists(args.muon):
+            mu = json.load(open(args.muon))
+            results["muon"] = {k: v for k, v in mu.items() if k != "cpp"}
+            shape = f"W={mu['world']}, {6 * mu['layers']} matrices, d_model {mu['d_model']}"
+            target(f"Muon step no slower than every rank orthogonalizing every matrix (fsdp::optim::Muon, {shape})",
+                   mu["owners_over_every_rank"] <= MUON_TARGET,
+                   f"{mu['owners_over_every_rank']:.2f}x ({mu['owners_ms']:.1f} vs {mu['every_rank_ms']:.1f} ms)")
+            target(f"Muon step no slower than torch.optim.Muon on the unsharded model ({shape}; torch in one process)",
+                   mu["owners_over_torch"] <= MUON_TARGET,
+                   f"{mu['owners_over_torch']:.2f}x ({mu['owners_ms']:.1f} vs {mu['torch_unsharded_ms']:.1f} ms)")
+        else:
+            for name in ("Muon step no slower than every rank orthogonalizing every matrix",
+                         "Muon step no slower than torch.optim.Muon on the unsharded model"):
+                target(name, None, "not measured: tools/muon_benchmark.sh did not run")
     diffs = []
     for model, res in results["models"].items():
         for k, e in res.get("world1", {}).items():
