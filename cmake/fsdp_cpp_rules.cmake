@@ -146,7 +146,17 @@ endfunction()
 function(_fsdp_cpp_common target)
   target_compile_features(${target} PUBLIC cxx_std_20)
   target_compile_options(${target} PRIVATE ${FSDP_CPP_WARNINGS})
-  set_target_properties(${target} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+  get_target_property(type ${target} TYPE)
+  if(type STREQUAL "EXECUTABLE")
+    # Position-independent code as the libraries and the precompiled header are compiled (-fPIC):
+    # with POSITION_INDEPENDENT_CODE an executable compiles with -fPIE, and GCC then refuses the
+    # header precompiled with -fPIC ("created and used with different settings of -fpie") and
+    # parses LibTorch's headers again in every test. Code built -fPIC links into a PIE as well.
+    set_target_properties(${target} PROPERTIES POSITION_INDEPENDENT_CODE OFF)
+    target_compile_options(${target} PRIVATE -fPIC)
+  else()
+    set_target_properties(${target} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+  endif()
   # A target that lists a LibTorch target among its deps compiles with LibTorch's headers
   # precompiled once (fsdp_cpp_torch_pch, as Bazel's tools/build_defs.bzl does; tools/pch/pch.bzl
   # says why): the caller's r_DEPS are the target's Bazel deps.

@@ -3,7 +3,10 @@
 # Each part is one result; the last line is "N passed, M failed" over the parts, and each part's
 # time is printed. Logs go to a folder of their own (printed first).
 #
-#   1. asan_all    tools/sanitize.sh asan on every C++ test (CI runs a chosen set)
+#   0. build_all   bazel build //... (the programs no test runs: benchmarks and demos; CI builds
+#                  test targets and their dependencies only)
+#   1. asan_all    tools/sanitize.sh asan on every C++ test on 1-4 ranks (CI runs a chosen set on
+#                  1-3 ranks)
 #   2. tsan        tools/sanitize.sh tsan (the threaded tests)
 #   3. ctest       the CMake build with -DFSDP_CPP_BUILD_TESTS=ON and ctest (every registered test,
 #                  multi-rank ones on 1-4 ranks through tests/testing/run_mpi_test.sh)
@@ -22,7 +25,7 @@ cd "$(dirname "$0")/.."
 tools/setup.sh || exit 1
 
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(asan_all tsan ctest cmake_subdir benchmark soak gpu)
+[ ${#parts[@]} -eq 0 ] && parts=(build_all asan_all tsan ctest cmake_subdir benchmark soak gpu)
 logs=$(mktemp -d /tmp/fsdp_longer_run.XXXXXX)
 echo "logs: $logs"
 cmake_dir="${FSDP_LONGER_RUN_CMAKE_DIR:-$HOME/.cache/fsdp_cpp/cmake_tests}"
@@ -39,6 +42,7 @@ for part in "${parts[@]}"; do
   start=$SECONDS
   log="$logs/$part.log"
   case "$part" in
+    build_all) cmd=(bazel build --keep_going //...) ;;
     asan_all) cmd=(tools/sanitize.sh asan -- //tests/... -//tests/python/... -//tests/gpu/...) ;;
     tsan) cmd=(tools/sanitize.sh tsan) ;;
     ctest) cmd=(ctest_part) ;;
@@ -46,7 +50,7 @@ for part in "${parts[@]}"; do
     benchmark) cmd=(tools/benchmark.sh --quick --out "$logs/benchmark/results.json") ;;
     soak) cmd=(tools/soak.sh) ;;
     gpu) cmd=(tools/gpu_check.sh) ;;
-    *) echo "longer_run: unknown part '$part' (asan_all tsan ctest cmake_subdir benchmark soak gpu)" >&2; exit 2 ;;
+    *) echo "longer_run: unknown part '$part' (build_all asan_all tsan ctest cmake_subdir benchmark soak gpu)" >&2; exit 2 ;;
   esac
   echo "=== $part: ${cmd[*]}"
   if "${cmd[@]}" > "$log" 2>&1; then

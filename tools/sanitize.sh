@@ -9,6 +9,7 @@
 #              FSDP_BAZEL_STARTUP  Bazel startup options, e.g. "--output_base=$HOME/.cache/bazel_san"
 #              (a server of its own, so a long sanitizer build never blocks the usual one);
 #              FSDP_SANITIZE_FLAGS extra `bazel test` options (e.g. "--jobs=1");
+#              FSDP_SANITIZE_MAX_RANKS N  multi-rank tests on at most N ranks (CI: 3);
 #              FSDP_DISK_CACHE     the disk cache (default ~/.cache/fsdp_cpp/disk_cache, as
 #              tools/test.sh; empty turns it off).
 # Multi-rank tests run on 1-4 MPI ranks as usual. Each config builds into its own output folder and
@@ -69,6 +70,12 @@ startup=(${FSDP_BAZEL_STARTUP:-})
 flags=(${FSDP_SANITIZE_FLAGS:-})
 cache="${FSDP_DISK_CACHE-$HOME/.cache/fsdp_cpp/disk_cache}"
 [ -n "$cache" ] && flags+=(--disk_cache="$cache")
+if [ -n "${FSDP_SANITIZE_MAX_RANKS:-}" ]; then
+  # Multi-rank tests launched on at most that many ranks (tests/testing/run_mpi_test.sh says which
+  # launches it left out).
+  flags+=(--test_env=FSDP_TEST_MAX_RANKS="$FSDP_SANITIZE_MAX_RANKS")
+  echo "sanitize.sh: multi-rank tests on at most $FSDP_SANITIZE_MAX_RANKS ranks (FSDP_SANITIZE_MAX_RANKS)"
+fi
 
 summary=()
 status=0
