@@ -163,6 +163,10 @@ function(_fsdp_cpp_common target)
   if(TARGET fsdp_cpp_torch_pch AND r_DEPS MATCHES "(^|;)@libtorch//")
     target_precompile_headers(${target} REUSE_FROM fsdp_cpp_torch_pch)
     target_compile_options(${target} PRIVATE -Winvalid-pch)
+    # The header's inline functions may be emitted into the target's objects and call into
+    # libtorch_cpu (c10::IValue's, for one), so the target links it, as Bazel's //tools/pch:torch_pch
+    # dependency does; without it a target whose deps name only c10 fails to link.
+    target_link_libraries(${target} PRIVATE fsdp_cpp_ext::torch_cpu)
   endif()
 endfunction()
 
