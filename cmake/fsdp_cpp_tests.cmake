@@ -4,7 +4,9 @@
 #   fsdp_mpi_test  <name>_bin run by tests/testing/run_mpi_test.sh on the BUILD file's world sizes
 #                  (the Bazel build's launcher, used as is), one at a time (RUN_SERIAL; label "mpi")
 # Tests whose arguments name Bazel runfiles ($(location ...)) are built but not registered; the
-# sh_tests of the BUILD files (scripts around binaries) are Bazel-only.
+# sh_tests of the BUILD files (scripts around binaries) are Bazel-only. Tests run in the source
+# folder; the flight recorder's dumps of the fault tests go to the build folder
+# (FSDP_FLIGHT_RECORDER_DIR), not into the source tree.
 
 function(fsdp_cpp_define_test kind label)
   _fsdp_cpp_parse("${label}")
@@ -41,11 +43,12 @@ function(fsdp_cpp_define_test kind label)
     add_test(NAME "${test_name}"
       COMMAND bash "${FSDP_CPP_SOURCE_DIR}/tests/testing/run_mpi_test.sh" "$<TARGET_FILE:${t}>"
               "${r_WORLD_SIZES}" ${r_ARGS})
-    set_tests_properties("${test_name}" PROPERTIES RUN_SERIAL TRUE LABELS mpi TIMEOUT 900)
+    set_tests_properties("${test_name}" PROPERTIES RUN_SERIAL TRUE LABELS mpi TIMEOUT 900
+      ENVIRONMENT "FSDP_FLIGHT_RECORDER_DIR=${CMAKE_BINARY_DIR}/flight_recorder")
   else()
     add_test(NAME "${test_name}" COMMAND ${t} ${r_ARGS})
     set_tests_properties("${test_name}" PROPERTIES LABELS single TIMEOUT 300
-      ENVIRONMENT "OMP_NUM_THREADS=1")
+      ENVIRONMENT "OMP_NUM_THREADS=1;FSDP_FLIGHT_RECORDER_DIR=${CMAKE_BINARY_DIR}/flight_recorder")
   endif()
   set_tests_properties("${test_name}" PROPERTIES WORKING_DIRECTORY "${FSDP_CPP_SOURCE_DIR}")
 endfunction()
