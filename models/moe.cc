@@ -18,12 +18,6 @@ namespace {
 
 using causal_lm::layers_text;
 
-// rotate_half of transformers: [x1, x2] -> [-x2, x1] over the last dimension's halves.
-at::Tensor rotate_half(const at::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------

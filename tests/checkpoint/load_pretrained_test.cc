@@ -605,10 +605,6 @@ FSDP_HOOKABLE_MODULE(PaddedLm);
 
 const std::vector<std::string> kPaddedKeys = {"emb.weight", "head.weight", "head.bias"};
 
-bool is_padded_key(const std::string& key) {
-  return std::find(kPaddedKeys.begin(), kPaddedKeys.end(), key) != kPaddedKeys.end();
-}
-
 // The file: a PaddedLm of the real vocabulary (seed 31, the same on every rank).
 Dict real_vocabulary_file(int64_t vocab) {
   torch::manual_seed(31);

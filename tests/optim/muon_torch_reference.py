@@ -7,7 +7,8 @@ The model (muon_torch_main.cc builds the same one, with the same FQNs): l0 = Lin
 weight, orthogonalized transposed), l1 = Linear(24, 7) (wide), l2 = Linear(7, 7, bias=False), head =
 Linear(7, 3), tanh between them. Muon steps l0/l1/l2's weights (head.weight is excluded, as the
 usual recipe excludes the output layer), AdamW the biases and the head. Five steps of
-mse_loss(model(x), y) on a batch of 12 rows (the C++ side splits them over its ranks).
+mse_loss(model(x), y) on a batch of 12 rows (every C++ rank trains on the whole batch: see
+muon_torch_main.cc).
 
 Writes OUT_DIR/inputs.safetensors: the initial parameters ("init.<fqn>") and the batches ("x<step>",
 "y<step>"); OUT_DIR/results.safetensors: per configuration "<config>.param.<fqn>" after the last
