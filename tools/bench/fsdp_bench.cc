@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <exception>
 #include <fstream>
@@ -292,6 +293,9 @@ const char* kind_name(CollectiveKind kind) {
     case CollectiveKind::kAllGatherBytes: return "all_gather_bytes";
     case CollectiveKind::kBarrier: return "barrier";
     case CollectiveKind::kAllToAll: return "all_to_all";
+    case CollectiveKind::kAllToAllV: return "all_to_all_v";
+    case CollectiveKind::kSend: return "send";
+    case CollectiveKind::kRecv: return "recv";
   }
   return "?";
 }
@@ -322,6 +326,36 @@ void write_handles(JsonWriter& w, const std::vector<fsdp::FSDPModule>& units) {
   w.end_array();
 }
 
+/// Turns a `perf record --control fifo:CTL,ACK` on and off around the measured steps, when
+/// FSDP_BENCH_PERF_CTL and FSDP_BENCH_PERF_ACK name that fifo pair (tools/profile_w2.sh starts perf
+/// with its events disabled), so that the samples are those of the measured steps only. A no-op
+/// otherwise.
+class PerfControl {
+ public:
+  PerfControl() {
+    const char* ctl = std::getenv("FSDP_BENCH_PERF_CTL");
+    const char* ack = std::getenv("FSDP_BENCH_PERF_ACK");
+    if (ctl != nullptr && ack != nullptr && *ctl != '\0' && *ack != '\0') {
+      ctl_ = ctl;
+      ack_ = ack;
+    }
+  }
+  void enable() { send("enable"); }
+  void disable() { send("disable"); }
+
+ private:
+  // Writes the command and waits for perf's "ack" (so the switch took effect before the next line).
+  void send(const char* command) {
+    if (ctl_.empty()) return;
+    std::ofstream(ctl_) << command << "\n" << std::flush;
+    std::ifstream ack(ack_);
+    std::string reply;
+    std::getline(ack, reply);
+    TORCH_CHECK(reply.rfind("ack", 0) == 0, "fsdp_bench: perf answered '", reply, "' to '", command, "'");
+  }
+  std::string ctl_, ack_;
+};
+
 /// Trains the variants of `model` in turn and writes their timings, losses, the units' handles and
 /// the collectives per step.
 void bench_timing(JsonWriter& w, const std::string& model, const Flags& f, const TensorMap& t,
@@ -346,7 +380,9 @@ void bench_timing(JsonWriter& w, const std::string& model, const Flags& f, const
       stats[k].bytes += after.bytes - before[k].bytes;
     }
   };
+  PerfControl perf;
   for (int64_t i = 0; i < warmup + steps; ++i) {
+    if (i == warmup) perf.enable();
     // Alternate the order, so that neither variant always runs right after the other.
     if (i % 2 == 0) {
       for (auto& tr : trainees) counted_step(*tr, i);
@@ -354,6 +390,7 @@ void bench_timing(JsonWriter& w, const std::string& model, const Flags& f, const
       for (auto it = trainees.rbegin(); it != trainees.rend(); ++it) counted_step(**it, i);
     }
   }
+  perf.disable();
   // The torch::optim fsdp variant (the last one when --fsdp 0: local).
   const Trainee& sharded = [&]() -> const Trainee& {
     for (const auto& tr : trainees) {

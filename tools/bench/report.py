@@ -682,7 +682,12 @@ def main():
                     parts.append(f"W={w} not measured")
                     verdicts.append(None)
                     continue
-                parts.append(f"W={w} {fmt(r)}" + (" [load average > 2.5]" if r["loaded"] else ""))
+                part = f"W={w} {fmt(r)}" + (" [load average > 2.5]" if r["loaded"] else "")
+                off = ckpt.get((op[:-1] + ", checksums off)", w)) if op.endswith("warm)") else None
+                if off is not None and off["vs_python"] is not None:
+                    # The same load without verify-before-write, in the same run: what the checksums cost.
+                    part += f", checksums off {off['vs_python']:.2f}x"
+                parts.append(part)
                 verdicts.append(r[key] >= limit)
             # MISSED if either world size misses; NOT RUN if one was not measured and none missed.
             target(name, False if False in verdicts else None if None in verdicts else True, "; ".join(parts))
