@@ -6,12 +6,12 @@ machines, most of every compile at -O0 (a 17 s compile of a test file spent 14 s
 again: the precompiled header cuts each compile's parse to loading one file.
 
 How: `torch_pch` runs the C++ toolchain's own compile command line (its features, the
-configuration's --copt/--cxxopt and compilation mode, -fPIC, the deps' include paths and defines)
-with `-x c++-header` on fsdp_cpp_torch_pch.h, and provides the header and its .gch side by side in
-one include folder. tools/build_defs.bzl adds the target to every fsdp_cc_* target's deps and
-`-include fsdp_cpp_torch_pch.h` to its copts: GCC looks for fsdp_cpp_torch_pch.h.gch beside the
-header it finds and uses it when it was built with compatible options (same -f/-O/-m flags, the
-same definitions of any macro the headers look at).
+configuration's --copt/--cxxopt and compilation mode, -fPIC except in opt mode, the deps' include
+paths and defines) with `-x c++-header` on fsdp_cpp_torch_pch.h, and provides the header and its
+.gch side by side in one include folder. tools/build_defs.bzl adds the target to every fsdp_cc_*
+target's deps and `-include fsdp_cpp_torch_pch.h` to its copts: GCC looks for
+fsdp_cpp_torch_pch.h.gch beside the header it finds and uses it when it was built with compatible
+options (same -f/-O/-m flags, the same definitions of any macro the headers look at).
 
 Why this is safe: when the .gch does not fit a compile (another compiler, other flags), GCC
 includes fsdp_cpp_torch_pch.h as text and the compile is what it would have been, only slower;
@@ -51,7 +51,12 @@ def _torch_pch_impl(ctx):
         system_include_directories = deps_context.system_includes,
         framework_include_directories = deps_context.framework_includes,
         preprocessor_defines = deps_context.defines,
-        use_pic = True,
+        # Position-independent code as the configuration's compiles: PIC everywhere except in opt
+        # mode, where Bazel compiles a binary's objects without -fPIC (GCC's default -fpie), and a
+        # .gch built with -fPIC would be refused ("created and used with different settings of
+        # -fpie") by every compile of the benchmark programs. In opt mode, the objects of
+        # dynamically linked tests (PIC) then compile without the header, as before.
+        use_pic = ctx.var["COMPILATION_MODE"] != "opt",
     )
     action = "c++-compile"
     ctx.actions.run(
