@@ -111,7 +111,10 @@ struct Sources {
 void open_safetensors(const std::string& path, Sources& sources) {
   const SafetensorsFileList list = safetensors_files(path, kApi);
   sources.stats->header_bytes += list.index_bytes;
-  for (const auto& [file_path, keys] : list.files) {
+  for (const auto& file_entry : list.files) {
+    // Named, not bound: a lambda below uses the path (Clang 14 cannot capture a structured binding).
+    const auto& file_path = file_entry.first;
+    const auto& keys = file_entry.second;
     auto file = std::make_unique<storage::SafetensorsFile>(file_path);
     sources.stats->files_opened += 1;
     sources.stats->header_bytes += file->header().data_start;
@@ -151,7 +154,11 @@ void open_pt(const std::string& path, Sources& sources) {
   sources.stats->files_opened += 1;
   TORCH_CHECK(reader.hasRecord("data.pkl"), kApi, ": '", path, "' is a zip archive without data.pkl: not a file of "
               "torch.save");
-  const auto [pickle, pickle_size] = reader.getRecord("data.pkl");
+  // Named, not bound: the reader lambda below uses the size (Clang 14 cannot capture a structured
+  // binding).
+  const auto pickle_record = reader.getRecord("data.pkl");
+  const auto& pickle = std::get<0>(pickle_record);
+  const size_t pickle_size = std::get<1>(pickle_record);
   sources.stats->header_bytes += static_cast<int64_t>(pickle_size);
   // LibTorch's unpickler trusts the file: bounded allocations, memo indices and nesting first.
   check_pt_pickle(static_cast<const char*>(pickle.get()), pickle_size, std::string(kApi) + ": '" + path + "'");

@@ -551,7 +551,8 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::allreduce(std::vector<at::Tensor>& te
                                                      const c10d::AllreduceOptions& opts) {
   check_single(tensors, "allreduce");
   at::Tensor t = tensors[0];
-  const auto [reduction, average] = reduction_for(opts.reduceOp, "allreduce");
+  const auto [reduction, average_flag] = reduction_for(opts.reduceOp, "allreduce");
+  const bool average = average_flag;  // a lambda may not capture a structured binding in Clang 14
   MPI_Datatype type = mpi::datatype_for(t.scalar_type(), "allreduce");
   MPI_Op op = mpi::op_for(reduction, t.scalar_type(), "allreduce");
   const int count = to_count(t.numel(), "allreduce");
@@ -632,7 +633,8 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::_reduce_scatter_base(
   TORCH_CHECK(input.numel() == output.numel() * size_,
               "MPI backend reduce_scatter_tensor: the input must hold world size (", size_,
               ") x output elements = ", output.numel() * size_, ", got ", input.numel());
-  const auto [reduction, average] = reduction_for(opts.reduceOp, "reduce_scatter_tensor");
+  const auto [reduction, average_flag] = reduction_for(opts.reduceOp, "reduce_scatter_tensor");
+  const bool average = average_flag;  // a lambda may not capture a structured binding in Clang 14
   MPI_Datatype type = mpi::datatype_for(input.scalar_type(), "reduce_scatter_tensor");
   MPI_Op op = mpi::op_for(reduction, input.scalar_type(), "reduce_scatter_tensor");
   const int count = to_count(output.numel(), "reduce_scatter_tensor");

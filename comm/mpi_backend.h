@@ -90,6 +90,7 @@ class MpiBackend final : public c10d::Backend, public PointToPointFailures {
   /// Collective over this backend's ranks: the ranks passing the same `color` form a new backend,
   /// ranked by `key` (ties by current rank). Hybrid sharding builds its groups with it.
   c10::intrusive_ptr<MpiBackend> split(int color, int key, Options options) const;
+  using c10d::Backend::split;  // c10d's own overloads stay visible
 
   /// Wraps `comm`, which the backend owns from now on (freed with it). Prefer create_world/split.
   MpiBackend(MPI_Comm comm, int rank, int size, Options options);

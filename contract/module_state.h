@@ -280,8 +280,9 @@ std::shared_ptr<State> ModuleStateRegistry::get_as(const torch::nn::Module& modu
     return nullptr;
   }
   auto typed = std::dynamic_pointer_cast<State>(state);
+  const ApiState& found = *state;
   TORCH_CHECK(typed != nullptr, api, ": module ", describe(module), " carries a state of type ",
-              c10::demangle(typeid(static_cast<const ApiState&>(*state)).name()), ", expected ", c10::demangle_type<State>(),
+              c10::demangle(typeid(found).name()), ", expected ", c10::demangle_type<State>(),
               "; hint: two APIs registered under the same name '", api, "'?");
   return typed;
 }

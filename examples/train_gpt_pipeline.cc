@@ -220,7 +220,7 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
   fsdp::comm::Communicator metrics(world.backend(), group.device);
   const bool holds_last = stage_ptrs.back()->is_last();
   std::vector<double> losses;
-  double compute = 0, wait = 0, step_time = 0;
+  double compute = 0, step_time = 0;
   int64_t measured = 0;
   for (int64_t step = 1; step <= f.steps; ++step) {
     const auto b = corpus.sample_batch({.seed = f.seed, .step = step, .rank = mesh->coordinate("dp")}, f.batch,
@@ -242,7 +242,6 @@ int run(const Flags& f, const fsdp::comm::ProcessGroup& group) {
     if (step > 1) {  // the first step agrees shapes and warms up
       const auto& st = schedule.last_step_stats();
       compute += st.compute_seconds;
-      wait += st.wait_seconds;
       step_time += st.step_seconds;
       ++measured;
     }

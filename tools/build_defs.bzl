@@ -37,8 +37,14 @@ FSDP_PCH_COPTS = FSDP_COPTS
 # the target lists a @libtorch target among its deps: a target that does not use LibTorch keeps its
 # translation units as they are (LibTorch's headers would change them: c10 declares an operator<<
 # for every std::vector, which Catch2 then picks to print vectors of types without one).
-_PCH_COPTS = ["-Winvalid-pch", "-include", "fsdp_cpp_torch_pch.h"]
-_PCH_DEPS = [Label("//tools/pch:torch_pch")]
+# The header is forced in by its path in the output tree, which both compilers need: GCC takes the
+# .gch beside the header it includes, Clang's driver the .pch beside the path -include names (it does
+# not search the include path for it). $(BINDIR) is the configuration's output folder; the
+# repository's root is empty here and external/<name> in a workspace that uses the library.
+_PCH_LABEL = Label("//tools/pch:torch_pch")
+_PCH_PATH = "/".join([p for p in ["$(BINDIR)", _PCH_LABEL.workspace_root, _PCH_LABEL.package, _PCH_LABEL.name, "fsdp_cpp_torch_pch.h"] if p])
+_PCH_COPTS = ["-Winvalid-pch", "-include", _PCH_PATH]
+_PCH_DEPS = [_PCH_LABEL]
 
 def _uses_libtorch(deps):
     for dep in deps:

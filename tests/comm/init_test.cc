@@ -16,7 +16,7 @@ FSDP_RANKS_TEST_CASE("init_process_group reads mpirun's variables and picks MPI 
   CHECK(group.device == at::Device(at::kCPU));
   REQUIRE(group.comm);
   CHECK(group.comm->backend()->getBackendName() == "mpi");
-  CHECK(&fsdp::comm::default_process_group().comm->backend() != nullptr);
+  CHECK(fsdp::comm::default_process_group().comm->backend().defined());
   CHECK(fsdp::comm::default_process_group().comm == group.comm);
   // The world communicator knows its world ranks: group rank r is world rank r.
   std::vector<int> ranks(group.launch.world_size);

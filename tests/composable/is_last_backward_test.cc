@@ -159,7 +159,8 @@ FSDP_RANKS_TEST_CASE("an optimizer step inside an iteration left open by set_is_
     auto units = shard(model, comm);
     fsdp::FSDPModule root = units.back();
     torch::optim::SGD optim(model->parameters(), torch::optim::SGDOptions(0.1));
-    const auto [x0, y0] = microbatch(0, q, 0);
+    at::Tensor x0, y0;  // not a structured binding: lambdas below use them (Clang 14)
+    std::tie(x0, y0) = microbatch(0, q, 0);
     const auto [x1, y1] = microbatch(0, q, 1);
     auto l0 = loss_of(model(x0), y0);
     auto l1 = loss_of(model(x1), y1);
@@ -187,7 +188,8 @@ FSDP_RANKS_TEST_CASE("an optimizer step inside an iteration left open by set_is_
     root.set_is_last_backward(true);
     l0 = l1 = at::Tensor();
     optim.zero_grad();
-    const auto [x2, y2] = microbatch(1, q, 0);
+    at::Tensor x2, y2;  // not a structured binding: lambdas below use them (Clang 14)
+    std::tie(x2, y2) = microbatch(1, q, 0);
     CHECK(fsdp::testing::error_of([&] { loss_of(model(x2), y2).backward(); }) == fsdp::testing::kNoError);
     CHECK(root.sharded_grad_bytes() > 0);
   }

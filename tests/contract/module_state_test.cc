@@ -47,9 +47,9 @@ TEST_CASE("insert records a state that get returns, per module and per API") {
 }
 
 TEST_CASE("get_as returns the typed state and rejects a state of another class") {
+  int destroyed = 0;  // outlives the registry, whose states count into it when destroyed
   ModuleStateRegistry registry;
   Block block;
-  int destroyed = 0;
   auto state = std::make_shared<CountingState>(&destroyed);
   registry.insert(*block, "fully_shard", state);
 
@@ -125,9 +125,9 @@ TEST_CASE("modules_with lists the live modules carrying an API in application or
 }
 
 TEST_CASE("erase removes one API's state and destroys it") {
+  int destroyed = 0;  // outlives the registry, whose states count into it when destroyed
   ModuleStateRegistry registry;
   Block block;
-  int destroyed = 0;
   registry.insert(*block, "fully_shard", std::make_shared<CountingState>(&destroyed));
   registry.insert(*block, "replicate", std::make_shared<OtherState>());
 
@@ -141,8 +141,8 @@ TEST_CASE("erase removes one API's state and destroys it") {
 }
 
 TEST_CASE("the registry holds modules weakly and drops their states at prune") {
+  int destroyed = 0;  // outlives the registry, whose states count into it when destroyed
   ModuleStateRegistry registry;
-  int destroyed = 0;
   Block block;
   std::weak_ptr<BlockImpl> weak = block.ptr();
   registry.insert(*block, "fully_shard", std::make_shared<CountingState>(&destroyed));

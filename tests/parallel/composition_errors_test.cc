@@ -148,26 +148,30 @@ FSDP_RANKS_TEST_CASE("forward_backward: uneven batches, different data in a tp g
   const int q = model.mesh().data_rank();
   if (model.mesh().data_world() > 1) {
     // Data rank 1 gets 2 rows, the others 4.
-    auto [x, y] = batch(q, q == 1 ? 2 : 4);
+    at::Tensor x, y;
+    std::tie(x, y) = batch(q, q == 1 ? 2 : 4);
     const std::string e = error_of([&] { model.forward_backward(x, y); });
     CHECK_THAT(e, Contains("the data-parallel replicas were given batches of different shapes"));
     check_same(e);
   }
   if (tp > 1) {
     // Seeded by world rank: the two ranks of a tp group read different data.
-    auto [x, y] = batch(100 + fsdp::testing::rank(), 4);
+    at::Tensor x, y;
+    std::tie(x, y) = batch(100 + fsdp::testing::rank(), 4);
     const std::string e = error_of([&] { model.forward_backward(x, y); });
     CHECK_THAT(e, Contains("but were given different inputs; seed the data by data rank"));
     check_same(e);
   }
   {
-    auto [x, y] = batch(q, 3);  // 3 rows, 2 microbatches
+    at::Tensor x, y;
+    std::tie(x, y) = batch(q, 3);  // 3 rows, 2 microbatches
     const std::string e = error_of([&] { model.forward_backward(x, y); });
     CHECK_THAT(e, Contains("the batch of 3 rows is not divisible into 2 microbatches"));
     check_same(e);
   }
   // The job goes on: a good step trains and its loss is finite on every rank.
-  auto [x, y] = batch(q, 4);
+  at::Tensor x, y;
+  std::tie(x, y) = batch(q, 4);
   const at::Tensor loss = model.forward_backward(x, y);
   CHECK(std::isfinite(model.global_loss(loss)));
   CHECK(std::isfinite(model.clip_grad_norm_(1.0)));

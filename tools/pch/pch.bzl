@@ -34,16 +34,24 @@ def _torch_pch_impl(ctx):
     deps_info = cc_common.merge_cc_infos(cc_infos = [dep[CcInfo] for dep in ctx.attr.deps])
     deps_context = deps_info.compilation_context
 
-    # The header and its .gch in one folder of their own (GCC pairs them by name and folder).
+    # The header and its precompiled form in one folder of their own: GCC pairs them by name and
+    # folder (<header>.gch), Clang's driver by the path given to -include (<header>.pch).
     header = ctx.actions.declare_file(ctx.attr.name + "/" + ctx.file.hdr.basename)
     ctx.actions.symlink(output = header, target_file = ctx.file.hdr)
-    gch = ctx.actions.declare_file(header.basename + ".gch", sibling = header)
+    clang = cc_toolchain.compiler == "clang"
+    gch = ctx.actions.declare_file(header.basename + (".pch" if clang else ".gch"), sibling = header)
+
+    # Clang: the templates the headers use are instantiated once, here, instead of at the end of
+    # every translation unit (GCC does that in each compile: about 5 s of an 8.8 s compile of an
+    # empty file with the header, measured); no modification times recorded, so a header restored
+    # from Bazel's cache with another mtime does not invalidate the file.
+    clang_flags = ["-fpch-instantiate-templates", "-Xclang", "-fno-pch-timestamp"] if clang else []
 
     variables = cc_common.create_compile_variables(
         feature_configuration = feature_configuration,
         cc_toolchain = cc_toolchain,
         user_compile_flags = ctx.fragments.cpp.copts + ctx.fragments.cpp.cxxopts + ctx.attr.copts +
-                             ["-x", "c++-header"],
+                             clang_flags + ["-x", "c++-header"],
         source_file = header.path,
         output_file = gch.path,
         include_directories = deps_context.includes,
