@@ -15,10 +15,10 @@ log() { echo "[setup] $*"; }
 # cmake and ninja-build: the CMake build (CMakeLists.txt, tools/cmake/check.sh); it finds
 # nlohmann_json and Catch2 through the CMake packages of nlohmann-json3-dev and catch2.
 # clang (Debian's Clang 14) compiles this workspace's Bazel build (.bazelrc) and CI's CMake build of
-# the library; libclang-rt-14-dev holds its sanitizer runtimes. g++ (the system's compiler)
+# the library; libclang-rt-14-dev holds its sanitizer runtimes, lld links the sanitizer builds. g++ (the system's compiler)
 # compiles the consumer checks.
 debs=(bazel-bootstrap bazel-rules-java catch2 libopenmpi-dev openmpi-bin python3 python3-venv nlohmann-json3-dev
-      cmake ninja-build clang libclang-rt-14-dev g++)
+      cmake ninja-build clang libclang-rt-14-dev lld g++)
 missing=()
 for pkg in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

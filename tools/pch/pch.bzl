@@ -59,12 +59,15 @@ def _torch_pch_impl(ctx):
         system_include_directories = deps_context.system_includes,
         framework_include_directories = deps_context.framework_includes,
         preprocessor_defines = deps_context.defines,
-        # Position-independent code as the configuration's compiles: PIC everywhere except in opt
-        # mode, where Bazel compiles a binary's objects without -fPIC (GCC's default -fpie), and a
-        # .gch built with -fPIC would be refused ("created and used with different settings of
-        # -fpie") by every compile of the benchmark programs. In opt mode, the objects of
-        # dynamically linked tests (PIC) then compile without the header, as before.
-        use_pic = ctx.var["COMPILATION_MODE"] != "opt",
+        # Position-independent code as the configuration's compiles. GCC: PIC everywhere except in
+        # opt mode, where Bazel compiles a binary's objects without -fPIC (GCC's default -fpie),
+        # and a .gch built with -fPIC would be refused ("created and used with different settings
+        # of -fpie") by every compile of the benchmark programs; in opt mode, the objects of
+        # dynamically linked tests (PIC) then compile without the header. Clang refuses a
+        # mismatched .pch with an error ("is pie differs in PCH file"), not a fallback: this
+        # workspace builds with --force_pic (.bazelrc), so every object is PIC in every mode, as
+        # the header; a workspace that compiles the library with Clang at -c opt needs it too.
+        use_pic = clang or ctx.var["COMPILATION_MODE"] != "opt",
     )
     action = "c++-compile"
     ctx.actions.run(
