@@ -23,8 +23,9 @@ cd "$(dirname "$0")/.."
 # engine-layout and storage unit tests, the MPI backend on 1-4 ranks (its progress thread, size
 # check and early starts), the thread backend, training parity (the whole engine), activation
 # checkpointing (recompute frees and refills what it saved) and point-to-point send/recv.
-# Measured in a cold CI run on 4 Dec (busy 2-core machine): 1073 s, of which the build ~610 s and
-# the tests 462 s; per target (all launches): tensor_parallel_test 75 s, activation_checkpoint_test
+# Measured in a cold CI run on 4 Dec with GCC (busy 2-core machine): 1073 s, of which the build
+# ~610 s and the tests 462 s (with Clang, the whole phase: 719 s in a cold CI of 697db3d, multi-rank
+# tests on 1-3 ranks, the CMake check beside it); per target (all launches): tensor_parallel_test 75 s, activation_checkpoint_test
 # 59 s, pipeline_schedule_test 58 s, fully_shard_training_test 49 s, mpi_backend_test 43 s,
 # point_to_point_test 35 s, each unit test about 5 s. Left to the longer run for time (clean when
 # last run): //tests/composable:tensor_parallel_test and //tests/pipeline:pipeline_schedule_test
